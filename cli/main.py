@@ -1,0 +1,41 @@
+"""The `specq` entry point: it only dispatches to one module per command."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from .. import __version__
+from . import bench
+
+app = typer.Typer(
+    name="specq",
+    help="Exact draft-model speculative decoding for local LLMs on llama.cpp.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("bench", help="Baseline vs speculative, side by side, in one run.")(bench.main)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"specq {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    """specq: speculative decoding on llama.cpp."""
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,406 @@
+"""The one boundary between specq and llama.cpp's C API (llama-cpp-python's `llama_cpp.llama_cpp`).
+
+Every ctypes handle lives in a class here with `close()` and a context manager; every C return code
+is checked and raised as a specq exception carrying the values. The rest of specq calls this module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+import llama_cpp.llama_cpp as C
+
+from ..errors import ContextFullError, LlamaCallError, ModelFileError, SpecqError
+
+log = logging.getLogger("specq.native")
+llama_log = logging.getLogger("specq.llama")
+
+GGUF_MAGIC = b"GGUF"
+# ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5 (continues the previous line)
+_LEVELS = {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_backend_ready = False
+_last_level = logging.DEBUG
+
+
+@C.llama_log_callback
+def _route_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    # llama.cpp logs go to Python logging; the CLI shows them only with --verbose.
+    global _last_level
+    lvl = _last_level if level == 5 else _LEVELS.get(level, logging.DEBUG)
+    _last_level = lvl
+    if llama_log.isEnabledFor(lvl):
+        llama_log.log(lvl, "%s", text.decode("utf-8", "replace").rstrip("\n"))
+
+
+def ensure_backend() -> None:
+    """Initialise llama.cpp once per process and route its log through `logging`."""
+    global _backend_ready
+    if _backend_ready:
+        return
+    C.llama_log_set(_route_log, ctypes.c_void_p(0))
+    C.llama_backend_init()
+    _backend_ready = True
+
+
+def llama_cpp_python_version() -> str:
+    import llama_cpp
+
+    return getattr(llama_cpp, "__version__", "unknown")
+
+
+def system_info() -> str:
+    ensure_backend()
+    return C.llama_print_system_info().decode("utf-8", "replace").strip()
+
+
+def supports_gpu_offload() -> bool:
+    ensure_backend()
+    return bool(C.llama_supports_gpu_offload())
+
+
+def check_gguf_file(path: str | os.PathLike) -> Path:
+    """Raise ModelFileError unless `path` is an existing, non-empty GGUF file."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelFileError(f"model file not found ({p}); check the path")
+    if not p.is_file():
+        raise ModelFileError(f"model path is not a file ({p}); pass a .gguf file")
+    with p.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"not a GGUF file ({p}); convert it with `specq convert` first")
+    return p
+
+
+class Model:
+    """A loaded GGUF model (weights and vocabulary)."""
+
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, vocab_only: bool = False,
+                 main_gpu: int = 0, tensor_split: list[float] | None = None):
+        ensure_backend()
+        self.path = check_gguf_file(path)
+        params = C.llama_model_default_params()
+        params.n_gpu_layers = int(n_gpu_layers)
+        params.vocab_only = bool(vocab_only)
+        params.main_gpu = int(main_gpu)
+        self._split = None
+        if tensor_split:
+            n = C.llama_max_devices()
+            arr = (ctypes.c_float * n)(*(list(tensor_split) + [0.0] * n)[:n])
+            self._split = arr
+            params.tensor_split = arr
+        handle = C.llama_model_load_from_file(str(self.path).encode(), params)
+        if not handle:
+            raise ModelFileError(
+                f"llama.cpp could not load the model ({self.path}); the file may be truncated or corrupt, "
+                "or of an architecture this llama.cpp does not know (run with -v for llama.cpp's log)")
+        self._h = handle
+        self.vocab = C.llama_model_get_vocab(handle)
+        self.n_vocab = int(C.llama_vocab_n_tokens(self.vocab))
+        self._pieces: dict[int, bytes] = {}
+
+    # -- lifetime ---------------------------------------------------------------------------
+    @property
+    def handle(self):
+        if self._h is None:
+            raise SpecqError("model is closed")
+        return self._h
+
+    def close(self) -> None:
+        if getattr(self, "_h", None) is not None:
+            C.llama_model_free(self._h)
+            self._h = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    # -- metadata ---------------------------------------------------------------------------
+    @property
+    def n_layer(self) -> int:
+        return int(C.llama_model_n_layer(self.handle))
+
+    @property
+    def n_params(self) -> int:
+        return int(C.llama_model_n_params(self.handle))
+
+    @property
+    def size_bytes(self) -> int:
+        return int(C.llama_model_size(self.handle))
+
+    @property
+    def n_ctx_train(self) -> int:
+        return int(C.llama_model_n_ctx_train(self.handle))
+
+    @property
+    def is_recurrent_or_hybrid(self) -> bool:
+        return bool(C.llama_model_is_recurrent(self.handle)) or bool(C.llama_model_is_hybrid(self.handle))
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = C.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            C.llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def chat_template(self) -> str | None:
+        t = C.llama_model_chat_template(self.handle, None)
+        return t.decode("utf-8", "replace") if t else None
+
+    # -- vocabulary -------------------------------------------------------------------------
+    @property
+    def vocab_type(self) -> int:
+        return int(C.llama_vocab_type(self.vocab))
+
+    @property
+    def bos(self) -> int:
+        return int(C.llama_vocab_bos(self.vocab))
+
+    @property
+    def eos(self) -> int:
+        return int(C.llama_vocab_eos(self.vocab))
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(C.llama_vocab_get_add_bos(self.vocab))
+
+    @property
+    def add_eos(self) -> bool:
+        return bool(C.llama_vocab_get_add_eos(self.vocab))
+
+    def token_text(self, token: int) -> bytes:
+        return C.llama_vocab_get_text(self.vocab, token) or b""
+
+    def is_eog(self, token: int) -> bool:
+        return bool(C.llama_vocab_is_eog(self.vocab, token))
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (C.llama_token * cap)()
+        n = C.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (C.llama_token * cap)()
+            n = C.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise LlamaCallError("llama_tokenize", n, f"text of {len(data)} bytes")
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """The bytes a token renders as (special tokens rendered), cached per model."""
+        p = self._pieces.get(token)
+        if p is None:
+            buf = ctypes.create_string_buffer(64)
+            n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+            p = buf.raw[:max(n, 0)]
+            self._pieces[token] = p
+        return p
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+
+
+class Context:
+    """A llama.cpp context (the KV cache / recurrent state of one sequence) over a Model."""
+
+    def __init__(self, model: Model, n_ctx: int, n_threads: int, n_batch: int = 512,
+                 n_outputs_max: int = 0, name: str = "model"):
+        self.model = model
+        self.name = name
+        params = C.llama_context_default_params()
+        params.n_ctx = int(n_ctx)
+        params.n_batch = int(n_batch)
+        params.n_ubatch = int(n_batch)
+        params.n_seq_max = 1
+        params.n_threads = int(n_threads)
+        params.n_threads_batch = int(n_threads)
+        params.n_outputs_max = int(n_outputs_max)
+        params.n_outputs_max_per_seq = 0  # only limits backend sampling, which specq does not use
+        params.no_perf = True
+        handle = C.llama_init_from_model(model.handle, params)
+        if not handle:
+            raise SpecqError(f"llama.cpp could not create a context for {model.path} (n_ctx={n_ctx}); "
+                             "try a smaller --ctx or fewer GPU layers")
+        self._h = handle
+        self.n_ctx = int(C.llama_n_ctx(handle))
+        self.n_batch = int(C.llama_n_batch(handle))
+        self.n_vocab = model.n_vocab
+        self._mem = C.llama_get_memory(handle)
+        self._batch = C.llama_batch_init(self.n_batch, 0, 1)
+        b = self._batch
+        self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
+        self._out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
+        nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_batch,))
+        nseq[:] = 1
+        for i in range(self.n_batch):
+            b.seq_id[i][0] = 0
+        self.n_outputs = 0
+        self.decode_s = 0.0  # wall time spent inside llama_decode, for overhead accounting
+        self.n_decode_calls = 0
+
+    @property
+    def handle(self):
+        if self._h is None:
+            raise SpecqError(f"{self.name} context is closed")
+        return self._h
+
+    def close(self) -> None:
+        if getattr(self, "_h", None) is not None:
+            C.llama_batch_free(self._batch)
+            C.llama_free(self._h)
+            self._h = None
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def decode(self, tokens, pos0: int, logits: str = "last") -> None:
+        """Evaluate `tokens` at positions pos0.. ; logits: "last", "all" or "none".
+
+        Batches longer than n_batch are split; only the final chunk produces the requested outputs.
+        """
+        n = len(tokens)
+        if n == 0:
+            return
+        if pos0 + n > self.n_ctx:
+            raise ContextFullError(
+                f"{self.name} context is full ({pos0 + n} tokens > ctx {self.n_ctx}); use a larger --ctx")
+        h = self.handle
+        start = 0
+        while start < n:
+            m = min(self.n_batch, n - start)
+            final = start + m == n
+            self._tok[:m] = tokens[start:start + m]
+            self._pos[:m] = np.arange(pos0 + start, pos0 + start + m, dtype=np.int32)
+            self._out[:m] = 0
+            if final and logits == "all":
+                self._out[:m] = 1
+            elif final and logits == "last":
+                self._out[m - 1] = 1
+            self._batch.n_tokens = m
+            t0 = time.perf_counter()
+            rc = C.llama_decode(h, self._batch)
+            self.decode_s += time.perf_counter() - t0
+            self.n_decode_calls += 1
+            if rc != 0:
+                if rc == 1:
+                    raise ContextFullError(
+                        f"{self.name} context has no room for {m} more tokens (ctx {self.n_ctx}); "
+                        "use a larger --ctx")
+                if rc == 2:
+                    raise KeyboardInterrupt
+                raise LlamaCallError("llama_decode", rc, f"{self.name}: batch of {m} at pos {pos0 + start}")
+            start += m
+        self.n_outputs = (n - (start - m)) if logits == "all" else (1 if logits == "last" else 0)
+
+    def logits(self, n_rows: int | None = None) -> np.ndarray:
+        """A read-only (n_rows, n_vocab) float32 view of the last decode's outputs (valid until the next decode)."""
+        rows = self.n_outputs if n_rows is None else n_rows
+        ptr = C.llama_get_logits(self.handle)
+        if not ptr or rows <= 0:
+            raise SpecqError(f"{self.name}: no logits available from the last decode")
+        arr = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
+        arr.flags.writeable = False
+        return arr
+
+    # -- memory -------------------------------------------------------------------------------
+    def seq_rm(self, p0: int, p1: int = -1) -> bool:
+        """Remove positions [p0, p1) of the sequence; False where the memory cannot remove part of it."""
+        return bool(C.llama_memory_seq_rm(self._mem, 0, p0, p1))
+
+    def pos_max(self) -> int:
+        return int(C.llama_memory_seq_pos_max(self._mem, 0))
+
+    def clear(self) -> None:
+        C.llama_memory_clear(self._mem, True)
+
+    def state_get(self, partial: bool = True) -> bytes:
+        flags = C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
+        size = C.llama_state_seq_get_size_ext(self.handle, 0, flags)
+        buf = (ctypes.c_uint8 * size)()
+        n = C.llama_state_seq_get_data_ext(self.handle, buf, size, 0, flags)
+        if n != size:
+            raise LlamaCallError("llama_state_seq_get_data_ext", int(n), f"{self.name}: expected {size} bytes")
+        return bytes(buf)
+
+    def state_set(self, data: bytes, partial: bool = True) -> None:
+        flags = C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        n = C.llama_state_seq_set_data_ext(self.handle, buf, len(data), 0, flags)
+        if n == 0:
+            raise LlamaCallError("llama_state_seq_set_data_ext", 0, f"{self.name}: {len(data)} bytes not restored")
+
+
+class Sampler:
+    """llama.cpp's sampler chain for one model: greedy at temp 0, else top-k → top-p → min-p → temp → dist."""
+
+    def __init__(self, temp: float, top_k: int, top_p: float, min_p: float, seed: int):
+        self.greedy = temp <= 0
+        sp = C.llama_sampler_chain_default_params()
+        sp.no_perf = True
+        chain = C.llama_sampler_chain_init(sp)
+        if self.greedy:
+            C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
+        else:
+            if top_k > 0:
+                C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_k(int(top_k)))
+            if top_p < 1.0:
+                C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_p(float(top_p), 1))
+            if min_p > 0.0:
+                C.llama_sampler_chain_add(chain, C.llama_sampler_init_min_p(float(min_p), 1))
+            C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(float(temp)))
+            C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(int(seed) & 0xFFFFFFFF))
+        self._h = chain
+
+    def sample(self, ctx: Context, idx: int) -> int:
+        """Sample (and accept) a token from output row `idx` of ctx's last decode."""
+        return int(C.llama_sampler_sample(self._h, ctx.handle, idx))
+
+    def close(self) -> None:
+        if getattr(self, "_h", None) is not None:
+            C.llama_sampler_free(self._h)
+            self._h = None
+
+    def __del__(self):
+        self.close()
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int, n_threads: int = 0,
+             allow_requantize: bool = True) -> None:
+    """Write `src` to `dst` as llama.cpp file type `ftype` (LLAMA_FTYPE_*) with llama.cpp's quantizer."""
+    ensure_backend()
+    params = C.llama_model_quantize_default_params()
+    params.ftype = int(ftype)
+    params.nthread = int(n_threads)
+    params.allow_requantize = bool(allow_requantize)
+    rc = C.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise LlamaCallError("llama_model_quantize", int(rc), f"{src} -> {dst}")
+
+
+FTYPE_ALL_F32 = C.LLAMA_FTYPE_ALL_F32
+FTYPE_MOSTLY_F16 = C.LLAMA_FTYPE_MOSTLY_F16

