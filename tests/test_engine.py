@@ -1,0 +1,172 @@
+"""Engine tests on tiny GGUF models: exactness, acceptance, rollback consistency."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specq.errors import ContextFullError, IncompatibleDraftError, UsageError
+from specq.native.engine import Engine, GenerationSettings
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "你好，世界。 numbers 12345",
+]
+
+
+def run(engine, prompt, speculative, **kw):
+    s = engine.session()
+    return s.generate(engine.tokenize(prompt), GenerationSettings(**kw), speculative=speculative).run()
+
+
+def assert_not_degenerate(tokens):
+    assert len(tokens) >= 16 and len(set(tokens)) > 3, f"degenerate output {tokens[:20]}"
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_target, tiny_unrelated, tiny_close):
+    engs = {
+        "itself": Engine(tiny_target, tiny_target, ctx=1024, threads=2),
+        "unrelated": Engine(tiny_target, tiny_unrelated, ctx=1024, threads=2),
+        "close": Engine(tiny_target, tiny_close, ctx=1024, threads=2),
+    }
+    yield engs
+    for e in engs.values():
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def baselines(engines):
+    e = engines["itself"]
+    return {p: run(e, p, False, n_predict=48).tokens for p in PROMPTS}
+
+
+@pytest.mark.parametrize("draft", ["itself", "unrelated", "close"])
+@pytest.mark.parametrize("draft_max", [1, 2, 4, 8])
+@pytest.mark.parametrize("p_min", [0.0, 0.5])
+def test_greedy_speculative_equals_baseline(engines, baselines, draft, draft_max, p_min):
+    e = engines[draft]
+    drafted = accepted = generated = 0
+    for p in PROMPTS:
+        g = run(e, p, True, n_predict=48, draft_max=draft_max, p_min=p_min)
+        assert_not_degenerate(baselines[p])
+        assert g.tokens == baselines[p], f"{draft} k={draft_max} p_min={p_min} prompt {p!r}"
+        drafted += g.stats.n_drafted
+        accepted += g.stats.n_accepted
+        generated += g.stats.n_generated
+        assert g.stats.n_generated == len(baselines[p])
+    if p_min == 0.0:
+        assert drafted > 0  # drafting really happened
+    if draft == "itself" and p_min == 0.0:
+        # every step drafts draft_max tokens and all are accepted (bar the last steps near n_predict)
+        assert accepted == drafted
+        assert drafted >= generated * draft_max / (draft_max + 1) - len(PROMPTS) * (draft_max + 1)
+
+
+def test_draft_equal_to_target_accepts_everything(engines):
+    for p in PROMPTS:
+        g = run(engines["itself"], p, True, n_predict=40, draft_max=4)
+        st = g.stats
+        assert st.n_drafted > 0
+        assert st.n_accepted == st.n_drafted
+        assert st.accept_rate == 1.0
+        assert_not_degenerate(g.tokens)
+
+
+def test_close_draft_is_partially_accepted(engines):
+    # Exercises rollback: some drafts rejected mid-way, some accepted.
+    st = run(engines["close"], PROMPTS[0], True, n_predict=64, draft_max=4).stats
+    assert 0 < st.n_accepted < st.n_drafted
+    assert st.accepted_per_pos[0] >= st.accepted_per_pos[-1]
+
+
+def test_unrelated_draft_is_mostly_rejected(engines):
+    st = run(engines["unrelated"], PROMPTS[1], True, n_predict=48, draft_max=4).stats
+    assert st.n_drafted > 0
+    assert st.accept_rate < 0.5
+
+
+def test_rollback_leaves_target_cache_consistent(engines, tiny_target):
+    e = engines["close"]
+    s = e.session()
+    g = s.generate(e.tokenize(PROMPTS[0]), GenerationSettings(n_predict=50, draft_max=6), speculative=True).run()
+    assert 0 < g.stats.n_accepted < g.stats.n_drafted
+    hist = list(s.history)
+    # The target's memory holds all but the last token; evaluating the last one gives its next-token logits.
+    assert s.tgt.tokens == hist[:-1]
+    assert s.tgt.ctx.pos_max() == len(hist) - 2
+    s.tgt.extend([hist[-1]], logits="last")
+    after = np.array(s.tgt.ctx.logits(1)[0])
+    with Engine(tiny_target, None, ctx=1024, threads=2) as fresh:
+        fresh.tgt_ctx.decode(hist, 0, logits="last")
+        ref = np.array(fresh.tgt_ctx.logits(1)[0])
+    np.testing.assert_allclose(after, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_draft_min_drops_short_drafts(engines):
+    st = run(engines["close"], PROMPTS[0], True, n_predict=40, draft_max=4, draft_min=4, p_min=0.9).stats
+    base = run(engines["close"], PROMPTS[0], True, n_predict=40, draft_max=4, draft_min=0, p_min=0.9).stats
+    assert st.n_drafted % 4 == 0  # only full drafts counted
+    assert st.n_drafted <= base.n_drafted
+
+
+def test_sampling_temperature_speculative_matches_baseline_with_same_seed(engines, baselines):
+    # With match acceptance the target samples once per emitted token, in order, from the same
+    # seeded chain, so the speculative output equals the baseline's at any temperature (CPU).
+    e = engines["close"]
+    for seed in (1, 2):
+        b = run(e, PROMPTS[0], False, n_predict=40, temp=0.8, seed=seed)
+        s = run(e, PROMPTS[0], True, n_predict=40, temp=0.8, seed=seed, draft_max=4)
+        assert s.stats.n_drafted > 0
+        assert s.tokens == b.tokens
+        assert_not_degenerate(b.tokens)
+    # and sampling really differs from greedy
+    assert run(e, PROMPTS[0], False, n_predict=40, temp=0.8, seed=1).tokens != baselines[PROMPTS[0]][:40]
+
+
+def test_multi_turn_prefills_only_new_tokens(engines):
+    e = engines["close"]
+    s = e.session()
+    g1 = s.generate(e.tokenize(PROMPTS[0]), GenerationSettings(n_predict=20, draft_max=4)).run()
+    calls_before = e.tgt_ctx.n_decode_calls
+    n_cached = len(s.tgt.tokens)
+    assert n_cached == len(s.history) - 1
+    turn2 = e.tokenize(" and then")
+    g2 = s.generate(turn2, GenerationSettings(n_predict=20, draft_max=4)).run()
+    assert g2.stats.n_prompt == len(turn2)
+    # Reference: the same full history from scratch gives the same continuation.
+    full = e.tokenize(PROMPTS[0]) + g1.tokens + turn2
+    ref = e.session().generate(full, GenerationSettings(n_predict=20, draft_max=4), speculative=False).run()
+    assert g2.tokens == ref.tokens
+    assert e.tgt_ctx.n_decode_calls > calls_before
+
+
+def test_stops_at_context_end(tiny_target):
+    with Engine(tiny_target, tiny_target, ctx=64, threads=2) as e:
+        toks = e.tokenize(PROMPTS[0])
+        g = e.session().generate(toks, GenerationSettings(n_predict=None, draft_max=8)).run()
+        assert g.stats.stop_reason == "ctx"
+        assert len(toks) + g.stats.n_generated == e.n_ctx
+
+
+def test_prompt_longer_than_context_is_refused(tiny_target):
+    with Engine(tiny_target, tiny_target, ctx=32, threads=2) as e:
+        toks = e.tokenize("word " * 100)
+        with pytest.raises(ContextFullError, match="does not fit in the context"):
+            e.session().generate(toks, GenerationSettings()).run()
+
+
+def test_incompatible_draft_names_both_files_and_token(tiny_target, tiny_incompatible):
+    with pytest.raises(IncompatibleDraftError) as ei:
+        Engine(tiny_target, tiny_incompatible, ctx=64, threads=2)
+    msg = str(ei.value)
+    assert "token 40" in msg and str(tiny_target) in msg and str(tiny_incompatible) in msg
+    assert "XYZ-not-in-target" in msg
+
+
+@pytest.mark.parametrize("kw", [dict(draft_max=0), dict(n_predict=0), dict(temp=-1.0), dict(top_p=0.0),
+                                dict(top_p=1.5), dict(draft_min=9, draft_max=8), dict(p_min=2.0)])
+def test_bad_settings_raise_usage_error(kw):
+    with pytest.raises(UsageError):
+        GenerationSettings(**kw).validate()
