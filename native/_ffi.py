@@ -404,3 +404,80 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int, n_threa
 
 FTYPE_ALL_F32 = C.LLAMA_FTYPE_ALL_F32
 FTYPE_MOSTLY_F16 = C.LLAMA_FTYPE_MOSTLY_F16
+
+
+# -- devices (ggml backend API via llama_cpp._ggml.libggml) -----------------------------------
+# llama-cpp-python binds no ggml device functions, but libggml exports ggml-backend.h's device API.
+
+from dataclasses import dataclass as _dataclass
+
+DEVICE_TYPES = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL", 4: "META"}  # enum ggml_backend_dev_type
+
+
+@_dataclass(frozen=True)
+class DeviceInfo:
+    name: str  # ggml's device name, e.g. "CPU", "CUDA0"
+    description: str  # e.g. the CPU model or "NVIDIA GeForce RTX 4090"
+    type: str  # one of DEVICE_TYPES' values
+    memory_total: int  # bytes
+    memory_free: int  # bytes
+    device_id: str | None = None  # lower-case PCI bus id where ggml knows it ("0000:c1:00.0")
+
+
+class _DevCaps(ctypes.Structure):
+    _fields_ = [("async_", ctypes.c_bool), ("host_buffer", ctypes.c_bool),
+                ("buffer_from_host_ptr", ctypes.c_bool), ("events", ctypes.c_bool),
+                ("mmap_support", ctypes.c_bool)]
+
+
+class _DevProps(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("description", ctypes.c_char_p),
+                ("memory_free", ctypes.c_size_t), ("memory_total", ctypes.c_size_t),
+                ("type", ctypes.c_int), ("device_id", ctypes.c_char_p), ("caps", _DevCaps)]
+
+
+_ggml = None
+
+
+def _libggml():
+    """libggml with argtypes/restype set once for the device functions specq calls."""
+    global _ggml
+    if _ggml is None:
+        from llama_cpp._ggml import libggml as lib
+
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        lib.ggml_backend_dev_count.argtypes, lib.ggml_backend_dev_count.restype = [], sz
+        lib.ggml_backend_dev_get.argtypes, lib.ggml_backend_dev_get.restype = [sz], vp
+        lib.ggml_backend_dev_name.argtypes, lib.ggml_backend_dev_name.restype = [vp], ctypes.c_char_p
+        lib.ggml_backend_dev_description.argtypes = [vp]
+        lib.ggml_backend_dev_description.restype = ctypes.c_char_p
+        lib.ggml_backend_dev_memory.argtypes = [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]
+        lib.ggml_backend_dev_memory.restype = None
+        lib.ggml_backend_dev_type.argtypes, lib.ggml_backend_dev_type.restype = [vp], ctypes.c_int
+        lib.ggml_backend_dev_get_props.argtypes = [vp, ctypes.POINTER(_DevProps)]
+        lib.ggml_backend_dev_get_props.restype = None
+        _ggml = lib
+    return _ggml
+
+
+def devices() -> list[DeviceInfo]:
+    """The ggml backend devices this llama.cpp build can use (a CPU-only build lists one, "CPU")."""
+    ensure_backend()
+    lib = _libggml()
+    out = []
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
+        if not dev:
+            continue
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        props = _DevProps()
+        lib.ggml_backend_dev_get_props(dev, ctypes.byref(props))
+        kind = int(lib.ggml_backend_dev_type(dev))
+        out.append(DeviceInfo(
+            name=(lib.ggml_backend_dev_name(dev) or b"").decode("utf-8", "replace"),
+            description=(lib.ggml_backend_dev_description(dev) or b"").decode("utf-8", "replace"),
+            type=DEVICE_TYPES.get(kind, f"type{kind}"),
+            memory_total=int(total.value), memory_free=int(free.value),
+            device_id=props.device_id.decode("ascii", "replace") if props.device_id else None))
+    return out
