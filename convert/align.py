@@ -1,0 +1,68 @@
+"""Draft alignment: give the draft the target's vocabulary rows so llama.cpp's compatibility rule passes.
+
+Only padding rows may change: the real vocabularies must be identical. Padded draft rows get zero
+embeddings, and output rows that can never win: on Qwen2 (which has an output bias) a very negative
+bias; elsewhere an exact copy of a real token's row, which ties that lower id and so never is the
+strict maximum (greedy argmax takes the first of equal values, in numpy and in llama.cpp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+
+from ..errors import IncompatibleDraftError
+from .arch import ArchSpec
+from .vocab import Vocab, first_difference
+
+PAD_LOGIT_BIAS = -1.0e9
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How the draft's token_embd/output rows are reshaped."""
+
+    n_rows_in: int
+    n_rows_out: int
+    pad_mode: str  # "none", "trim", "bias" (Qwen2 output bias) or "copy" (duplicate a real row)
+
+    @property
+    def padding(self) -> bool:
+        return self.n_rows_out > self.n_rows_in
+
+
+def check_same_vocabulary(target: Vocab, draft: Vocab) -> None:
+    """Refuse a draft whose real vocabulary differs, naming the first differing id and both texts."""
+    diff = first_difference(target, draft)
+    if diff is not None:
+        i, a, b = diff
+        raise IncompatibleDraftError(
+            f"draft vocabulary differs from the target's at token {i}: target {a!r}, draft {b!r} "
+            f"({target.source} vs {draft.source}); choose a draft of the same model family")
+    if target.pre != draft.pre:
+        raise IncompatibleDraftError(
+            f"draft pre-tokenizer differs: target {target.pre}, draft {draft.pre} ({draft.source}); "
+            "choose a draft of the same model family")
+
+
+def plan_rows(draft: ArchSpec, n_rows_in: int, n_rows_out: int) -> RowPlan:
+    if n_rows_out == n_rows_in:
+        return RowPlan(n_rows_in, n_rows_out, "none")
+    if n_rows_out < n_rows_in:
+        return RowPlan(n_rows_in, n_rows_out, "trim")
+    mode = "bias" if draft.arch == gguf.MODEL_ARCH.QWEN2 else "copy"
+    return RowPlan(n_rows_in, n_rows_out, mode)
+
+
+def pad_rows_zero(n_extra: int, tail: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Zero rows (all-zero bits are 0.0 in BF16, F16 and F32 alike)."""
+    return np.zeros((n_extra,) + tuple(tail), dtype=dtype)
+
+
+def output_bias(n_real_rows: int, n_rows_out: int) -> np.ndarray:
+    """Zero for real rows (their logits are unchanged), very negative for the padding."""
+    b = np.zeros(n_rows_out, dtype=np.float32)
+    b[n_real_rows:] = PAD_LOGIT_BIAS
+    return b
