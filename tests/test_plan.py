@@ -222,3 +222,43 @@ def test_parse_budget():
     for bad in ["0", "1.5", "-0.2", "24GiB,", ",", "24GiB,,24GiB", "2"]:
         with pytest.raises(UsageError):
             P.parse_budget(bad)
+
+
+# ---- the CLI -----------------------------------------------------------------------------------
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from specq.cli.main import app
+
+    return CliRunner().invoke(app, ["plan", *args])
+
+
+def test_cli_plan_json(pair):
+    import json
+
+    r = _cli("--target", pair[0], "--draft", pair[1], "--vram", "24GiB,24GiB", "--ctx", "8192", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["fits"] is True and doc["ctx"] == 8192 and len(doc["devices"]) == 2
+    assert {"name", "bytes"} <= set(doc["devices"][0])
+    assert doc["target"]["ngl"] == 65 and doc["draft"]["ngl"] == 25
+
+
+def test_cli_plan_partial_offload_exits_0(pair):
+    r = _cli("--target", pair[0], "--draft", pair[1], "--vram", "12GiB")
+    assert r.exit_code == 0, r.output
+    assert "partial offload" in r.stdout and "--ngl-draft 25" in r.stdout
+
+
+def test_cli_plan_refuses_with_one_line(pair):
+    r = _cli("--target", pair[0], "--draft", pair[1], "--vram", "1GiB")
+    assert r.exit_code == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specq: error: the draft alone does not fit")
+
+
+@pytest.mark.parametrize("bad", ["24", "24GiB,", "lots", "1.5"])
+def test_cli_plan_malformed_size_exits_2(pair, bad):
+    r = _cli("--target", pair[0], "--vram", bad)
+    assert r.exit_code == 2
+    assert r.stderr.strip().startswith("specq: error:") and len(r.stderr.strip().splitlines()) == 1
