@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import __version__
-from . import bench
+from . import bench, doctor, plan
 
 app = typer.Typer(
     name="specq",
@@ -17,6 +17,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("bench", help="Baseline vs speculative, side by side, in one run.")(bench.main)
+app.command("doctor", help="Show the llama.cpp build, its devices and whether the GPU is used.")(doctor.main)
+app.command("plan", help="Plan GPU layers and context for a target and draft in a VRAM budget.")(plan.main)
 
 
 def _version(value: bool) -> None:
