@@ -1,0 +1,57 @@
+"""`specq convert`: Hugging Face checkpoints -> an aligned, quantized GGUF target + draft pair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+from ..convert.pipeline import convert_pair
+from ._common import Quiet, Verbose, err, handle_errors, out, setup_logging
+
+
+class _Bars:
+    """Renders the library's (task, done, total) progress calls as one Rich bar per task, on stderr."""
+
+    def __init__(self, progress: Progress):
+        self.p = progress
+        self.tasks: dict[str, int] = {}
+
+    def __call__(self, task: str, done: int, total: int) -> None:
+        if task not in self.tasks:
+            self.tasks[task] = self.p.add_task(task, total=max(total, 1))
+        self.p.update(self.tasks[task], completed=done, total=max(total, 1))
+
+
+@handle_errors
+def main(
+    target: Annotated[str, typer.Argument(help="Target: a Hugging Face repo id or a local checkpoint folder.")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Output folder for the GGUF files and specq-pair.toml.")],
+    draft: Annotated[Optional[str], typer.Option(help="Draft: a repo id or folder with the same vocabulary.")] = None,
+    outtype: Annotated[Optional[str], typer.Option(help="Unquantized type: f16, bf16 or f32 (default: the source dtype).")] = None,
+    quant: Annotated[str, typer.Option(help="Target quantization (Q8_0, Q6_K, Q5_K_M, Q4_K_M, ...) or none.")] = "Q4_K_M",
+    draft_quant: Annotated[str, typer.Option(help="Draft quantization, or none.")] = "Q8_0",
+    revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) of the target.")] = None,
+    draft_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the draft.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files.")] = False,
+    keep_intermediate: Annotated[bool, typer.Option("--keep-intermediate", help="Keep the F16/BF16 file used for quantizing.")] = False,
+    verbose: Verbose = False,
+    quiet: Quiet = False,
+) -> None:
+    setup_logging(verbose, quiet)
+    kwargs = dict(draft=draft, outtype=outtype, quant=quant, draft_quant=draft_quant, revision=revision,
+                  draft_revision=draft_revision, force=force, keep_intermediate=keep_intermediate)
+    if quiet:
+        result = convert_pair(target, out_dir, **kwargs)
+    else:
+        columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=err, transient=False) as p:
+            result = convert_pair(target, out_dir, progress=_Bars(p), **kwargs)
+    out.print(f"target: {result.target_path}")
+    if result.draft_path is not None:
+        out.print(f"draft:  {result.draft_path}")
+    for p in result.intermediates:
+        out.print(f"kept:   {p}")
+    out.print(f"pair:   {result.manifest_path}")
