@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import __version__
-from . import bench, convert, doctor, plan
+from . import bench, chat, convert, doctor, plan
 
 app = typer.Typer(
     name="specq",
@@ -17,6 +17,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("bench", help="Baseline vs speculative, side by side, in one run.")(bench.main)
+app.command("chat", help="Chat with speculative decoding and a live dashboard.")(chat.main)
 app.command("doctor", help="Show the llama.cpp build, its devices and whether the GPU is used.")(doctor.main)
 app.command("plan", help="Plan GPU layers and context for a target and draft in a VRAM budget.")(plan.main)
 app.command("convert", help="Hugging Face checkpoints to an aligned, quantized GGUF target + draft pair.")(convert.main)

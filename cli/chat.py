@@ -1,0 +1,238 @@
+"""`specq chat`: a speculative chat with a live dashboard; piped stdin makes it scriptable."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Optional, TextIO
+
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+
+from ..errors import ContextFullError, UsageError
+from ..native.bench import default_ngl
+from ..native.chat import HELP, AnswerProgress, ChatSession, Command, apply_setting, open_chat, panel_data, \
+    parse_command
+from ..native.demo import demo_pair
+from ..native.engine import GenerationSettings
+from ._common import Quiet, Verbose, handle_errors, setup_logging
+from .chat_view import StreamBuffer, build_panel, stats_table
+
+REFRESH_S = 1 / 15  # the panel redraws at most this often; the tokens themselves are printed as they come
+
+
+def run_command(chat: ChatSession, cmd: Command):
+    """Apply one slash command; returns (what to show, whether to quit). UsageError on a bad argument."""
+    if cmd.name == "quit":
+        return None, True
+    if cmd.name == "help":
+        return HELP, False
+    if cmd.name == "reset":
+        chat.reset()
+        return "conversation cleared (both caches emptied)", False
+    if cmd.name == "stats":
+        return stats_table(chat.totals, chat.turns), False
+    if cmd.name in ("k", "pmin", "temp", "n"):
+        chat.settings = apply_setting(chat.settings, cmd)
+        s = chat.settings
+        return (f"draft-max {s.draft_max} · p-min {s.p_min:g} · temp {s.temp:g} · "
+                f"n-predict {s.n_predict if s.n_predict is not None else 'no limit'}"), False
+    if cmd.name == "system":
+        chat.set_system(cmd.arg)
+        return ("system prompt set" if cmd.arg else "system prompt removed") + \
+            "; the conversation is re-read on the next turn", False
+    if cmd.name == "save":
+        if not cmd.arg:
+            raise UsageError("/save needs a file name (nothing given); e.g. /save chat.json")
+        return f"saved to {chat.save(Path(cmd.arg).expanduser())}", False
+    raise UsageError(f"unknown command (/{cmd.name}); type /help for the list")
+
+
+class _StopOnCtrlC:
+    """During an answer, the first Ctrl-C asks the loop to stop after the current step; a second one raises."""
+
+    def __enter__(self):
+        self.requested = False
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def stream_answer(chat: ChatSession, text: str, console: Console, color: bool, panel: bool) -> None:
+    """Stream one answer above the live panel; Ctrl-C ends it early with both caches consistent."""
+    try:
+        answer = chat.ask(text)
+    except ContextFullError as e:
+        console.print(f"specq: {e}", style="red" if color else "")
+        return
+    prog = AnswerProgress(started=time.perf_counter())
+    buf = StreamBuffer(color)
+
+    def view(now: float):
+        if not panel:
+            return buf.line
+        d = panel_data(prog, chat.totals, chat.n_used, chat.n_ctx, chat.settings, chat.speculative, now)
+        return Group(buf.line, build_panel(d, color))
+
+    last = 0.0
+    with _StopOnCtrlC() as stop, Live(view(prog.started), console=console, auto_refresh=False) as live:
+        try:
+            for ev in answer:
+                now = time.perf_counter()
+                prog.add(ev, now)
+                for line in buf.add(ev.text, ev.from_draft):
+                    live.console.print(line)
+                if stop.requested:
+                    break
+                if now - last >= REFRESH_S:
+                    live.update(view(now), refresh=True)
+                    last = now
+        except KeyboardInterrupt:
+            pass  # a second Ctrl-C while a step was running: the engine has already rewound
+        finally:
+            answer.close()
+            prog.stats = answer.stats
+            live.update(view(time.perf_counter()), refresh=True)
+    reason = answer.stats.stop_reason if answer.stats else "interrupted"
+    if reason == "interrupted":
+        console.print("(interrupted; both caches are consistent, the conversation goes on)", style="dim")
+    elif reason == "ctx":
+        console.print(f"specq: the context is full ({chat.n_used} of {chat.n_ctx} tokens); "
+                      "type /reset to start a new conversation, or use a larger --ctx", style="red" if color else "")
+
+
+def interactive(chat: ChatSession, console: Console, color: bool, panel: bool, banner: str) -> int:
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    console.print(banner, style="dim")
+    while True:
+        try:
+            line = console.input("[bold]> [/]" if color else "> ")
+        except EOFError:
+            console.print()
+            return 0
+        if not line.strip():
+            continue
+        try:
+            cmd = parse_command(line)
+            if cmd is None:
+                stream_answer(chat, line, console, color, panel)
+                continue
+            shown, quit_ = run_command(chat, cmd)
+        except UsageError as e:
+            console.print(f"specq: {e}", style="red" if color else "")
+            continue
+        except OSError as e:
+            console.print(f"specq: {e.strerror or e} ({e.filename or ''}); check the path", style="red" if color else "")
+            continue
+        if quit_:
+            return 0
+        if shown is not None:
+            console.print(shown)
+
+
+def piped(chat: ChatSession, lines: TextIO, stdout: TextIO, stderr: Console) -> int:
+    """Each line a user turn (or a slash command); answers on stdout; one JSON stats line on stderr last."""
+    failed = False
+    for line in lines:
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        try:
+            cmd = parse_command(line)
+            if cmd is not None:
+                shown, quit_ = run_command(chat, cmd)
+                if quit_:
+                    break
+                if shown is not None:
+                    stderr.print(shown)
+                continue
+            answer = chat.ask(line)
+        except (UsageError, ContextFullError) as e:
+            stderr.print(f"specq: {e}")
+            failed = True
+            continue
+        try:
+            for ev in answer:
+                stdout.write(ev.text)
+                stdout.flush()
+        finally:
+            answer.close()
+        stdout.write("\n")
+        stdout.flush()
+        if answer.stats.stop_reason == "ctx":
+            stderr.print(f"specq: the context is full ({chat.n_used} of {chat.n_ctx} tokens); "
+                         "send /reset to start a new conversation, or use a larger --ctx")
+    stderr.file.write(json.dumps(chat.totals.final_line()) + "\n")
+    stderr.file.flush()
+    return 1 if failed else 0
+
+
+@handle_errors
+def main(
+    target: Annotated[Optional[Path], typer.Option(help="Target GGUF (default: the built-in demo pair).")] = None,
+    draft: Annotated[Optional[Path], typer.Option(help="Draft GGUF; without it the target runs alone.")] = None,
+    system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
+    template: Annotated[Optional[str], typer.Option(help="Chat template (a Jinja file or text) when the model "
+                                                          "has none or to override its own.")] = None,
+    n_predict: Annotated[Optional[int], typer.Option(help="Most tokens per answer (default: until the end of "
+                                                           "generation or a full context).")] = None,
+    draft_max: Annotated[int, typer.Option(help="Most tokens drafted per step.")] = 8,
+    draft_min: Annotated[int, typer.Option(help="Drafts shorter than this are dropped.")] = 0,
+    p_min: Annotated[float, typer.Option(help="Stop drafting when the draft's top-1 probability is below this.")] = 0.0,
+    temp: Annotated[float, typer.Option(help="Temperature; 0 is greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Top-k (temp > 0).")] = 40,
+    top_p: Annotated[float, typer.Option(help="Top-p (temp > 0).")] = 0.95,
+    min_p: Annotated[float, typer.Option(help="Min-p (temp > 0).")] = 0.05,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    ctx: Annotated[int, typer.Option(help="Context size (tokens) for both models.")] = 4096,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: physical cores).")] = None,
+    ngl: Annotated[Optional[int], typer.Option(help="Target layers on the GPU (default: all when a GPU is present).")] = None,
+    ngl_draft: Annotated[Optional[int], typer.Option(help="Draft layers on the GPU (default: all when a GPU is present).")] = None,
+    no_color: Annotated[bool, typer.Option("--no-color", help="No colours (draft and target tokens look alike).")] = False,
+    verbose: Verbose = False,
+    quiet: Quiet = False,
+) -> None:
+    setup_logging(verbose, quiet)
+    settings = GenerationSettings(n_predict=n_predict, draft_max=draft_max, draft_min=draft_min, p_min=p_min,
+                                  temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed).validate()
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be at least 1 ({threads})")
+    if target is None:
+        if draft is not None:
+            raise UsageError("--draft needs --target; omit both for the demo pair")
+        target, draft = demo_pair()
+    chat = open_chat(str(target), str(draft) if draft else None, template=template, settings=settings,
+                     system=system, ctx=ctx, threads=threads,
+                     ngl=default_ngl() if ngl is None else ngl,
+                     ngl_draft=default_ngl() if ngl_draft is None else ngl_draft)
+    try:
+        if sys.stdin.isatty():
+            console = Console(highlight=False, no_color=no_color)
+            color = not no_color and console.is_terminal
+            banner = (f"specq chat · target {Path(target).name}"
+                      + (f" · draft {Path(draft).name}" if draft else " · no draft")
+                      + f" · ctx {chat.n_ctx} · /help for commands, Ctrl-D to leave")
+            code = interactive(chat, console, color, panel=not quiet, banner=banner)
+        else:
+            code = piped(chat, sys.stdin, sys.stdout, Console(stderr=True, highlight=False, no_color=True))
+    finally:
+        chat.engine.close()
+    raise typer.Exit(code)
