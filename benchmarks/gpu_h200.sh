@@ -14,6 +14,7 @@ exec > >(tee -a "$OUT/log.txt") 2>&1
 T0=$(date +%s)
 stage() { echo "== [$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( ${BUDGET_S:-570} - ($(date +%s) - T0) )); }  # seconds left of the device call
+lim() { local s=$(( $(left) - $1 )); [ "$s" -lt 30 ] && s=30; echo "$s"; }  # a stage's limit, keeping $1 s back
 
 stage "machine"
 nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv,noheader || true
@@ -24,24 +25,24 @@ stage "1. build llama-cpp-python (CUDA, sm_90)"
 mkdir -p /tmp/src /tmp/wheel
 tar xzf .gpu/llama_cpp_python-*-trimmed.tar.gz -C /tmp/src
 SRC=$(ls -d /tmp/src/llama_cpp_python-*)
-python3 -m venv --system-site-packages /tmp/venv && . /tmp/venv/bin/activate
-pip install -q --no-index --no-deps .gpu/whl/*.whl
+# The image's python3 is itself a venv (with torch, numpy, scikit-build-core): install beside it, not into it.
+export PYTHONPATH=/tmp/site:/tmp/pkgs PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl
 export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
 export CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_NCCL=OFF -DLLAVA_BUILD=OFF \
  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
 tb=$(date +%s)
-timeout 420 pip wheel -v --no-deps --no-build-isolation --no-cache-dir -w /tmp/wheel "$SRC" > "$OUT/build.log" 2>&1
+timeout 420 python3 -m pip wheel -v --no-deps --no-build-isolation --no-cache-dir -w /tmp/wheel "$SRC" > "$OUT/build.log" 2>&1
 rc=$?
 echo "build rc=$rc in $(( $(date +%s) - tb ))s (build.log: last lines below)"; tail -5 "$OUT/build.log"
 [ $rc -eq 0 ] || { stage "build failed; stopping"; exit 1; }
-pip install -q --no-index --no-deps /tmp/wheel/llama_cpp_python-*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/wheel/llama_cpp_python-*.whl
 LIB=$(python3 -c "import llama_cpp, os; print(os.path.join(os.path.dirname(llama_cpp.__file__), 'lib'))")
 ls -la "$LIB"
 echo "sm_90 cubins in libggml-cuda: $(cuobjdump --list-elf "$LIB"/libggml-cuda.so 2>/dev/null | grep -c sm_90)"
 
 # specq without installing: the repo root is the `specq` package.
 mkdir -p /tmp/pkgs && ln -sfn "$PWD" /tmp/pkgs/specq
-export PYTHONPATH=/tmp/pkgs PYTHONUNBUFFERED=1
 SPECQ="python3 -m specq.cli.main"
 
 stage "2. synthetic pair"
@@ -53,14 +54,14 @@ $SPECQ doctor --json > "$OUT/doctor.json"; $SPECQ doctor | tail -1
 $SPECQ plan --target $T --draft $D --vram 0.9 --json > "$OUT/plan.json"; $SPECQ plan --target $T --draft $D --vram 0.9 -q
 
 stage "4. verify cost"
-timeout $(( $(left) - 150 )) python3 benchmarks/verify_cost.py --target $T --draft $D --ngl 999 --k 16 \
+timeout $(lim 150) python3 benchmarks/verify_cost.py --target $T --draft $D --ngl 999 --k 16 \
   --ctx 4096 --threads 8 --out "$OUT/verify.json"
 
 stage "5. bench: baseline vs speculative, full offload"
-timeout $(( $(left) - 60 )) $SPECQ bench --target $T --draft $D --ngl 999 --ngl-draft 999 --n-predict 256 \
+timeout $(lim 60) $SPECQ bench --target $T --draft $D --ngl 999 --ngl-draft 999 --n-predict 256 \
   --repeat 3 --draft-max 8 --threads 8 --json "$OUT/bench.json" -q
 stage "5b. the target as its own draft (acceptance near 1: the loop's cost at full acceptance)"
-timeout $(( $(left) - 10 )) $SPECQ bench --target $T --draft $T --ngl 999 --ngl-draft 999 --n-predict 256 \
+timeout $(lim 10) $SPECQ bench --target $T --draft $T --ngl 999 --ngl-draft 999 --n-predict 256 \
   --repeat 2 --draft-max 8 --threads 8 --no-baseline --json "$OUT/bench_self.json" -q
 
 stage "summary"
