@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -41,6 +42,12 @@ def main(
     quiet: Quiet = False,
 ) -> None:
     setup_logging(verbose, quiet)
+    if not verbose:
+        logging.getLogger("gguf").setLevel(logging.ERROR)  # gguf-py's own info/warnings about metadata it writes
+    if quiet:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     kwargs = dict(draft=draft, outtype=outtype, quant=quant, draft_quant=draft_quant, revision=revision,
                   draft_revision=draft_revision, force=force, keep_intermediate=keep_intermediate)
     if quiet:

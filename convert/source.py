@@ -57,8 +57,8 @@ def resolve(spec: str, revision: str | None = None) -> Source:
 
 def _download(repo_id: str, revision: str | None) -> Source:
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     try:
         path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
@@ -66,10 +66,11 @@ def _download(repo_id: str, revision: str | None) -> Source:
         raise ConversionError(f"the Hub repo is gated ({repo_id}); accept its licence on huggingface.co and set "
                               "HF_TOKEN")
     except RepositoryNotFoundError:
-        raise ConversionError(f"no such Hub repo, or it is private ({repo_id}); check the id, or set HF_TOKEN")
+        raise ConversionError(f"no local folder and no such Hub repo, or it is private ({repo_id}); check the "
+                              "path or repo id, or set HF_TOKEN")
     except RevisionNotFoundError:
         raise ConversionError(f"no such revision in {repo_id} ({revision}); check --revision")
-    except LocalEntryNotFoundError:
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         if constants.HF_HUB_OFFLINE:
             raise ConversionError(f"model is not in the local Hugging Face cache and HF_HUB_OFFLINE is set "
                                   f"({repo_id}); unset HF_HUB_OFFLINE to download it, or pass a local directory")
