@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 
 from ..errors import ConversionError
-from .checkpoint import DTYPES, MappedFiles, TensorRef
+from .checkpoint import MappedFiles, TensorRef
 
 log = logging.getLogger("specq.convert")
 
