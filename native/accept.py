@@ -51,3 +51,57 @@ def expected_tokens_per_pass(alpha: float, k: int) -> float:
 def ideal_speedup(alpha: float, k: int, c: float) -> float:
     """(1 − α^(k+1)) / ((1 − α)(k·c + 1)): the best speed-up a draft of cost ratio c can give."""
     return expected_tokens_per_pass(alpha, k) / (k * c + 1.0)
+
+
+def rejection_emit(draft: Sequence[int], q: Sequence, p: Sequence, rng: np.random.Generator) -> list[int]:
+    """Exact speculative sampling (Leviathan et al., Chen et al.) over sparse distributions.
+
+    q[i]: the draft's distribution the token draft[i] was sampled from; p[i] (len(draft) + 1 of them):
+    the target's at the same positions. Each is an (ids, probs) pair (e.g. sampling.SparseDist).
+    Accept draft[i] with probability min(1, p_i(x)/q_i(x)); at the first rejection sample from
+    norm(max(0, p_i − q_i)); if all pass, sample a bonus token from p_n.
+    """
+    n = len(draft)
+    if len(p) != n + 1 or len(q) != n:
+        raise ValueError(f"need {n} draft and {n + 1} target distributions, got {len(q)} and {len(p)}")
+    a = n
+    if n:
+        pt = np.array([_prob_of(p[i], draft[i]) for i in range(n)])
+        qd = np.array([_prob_of(q[i], draft[i]) for i in range(n)])
+        # u < pt/qd, written without the division (qd > 0: the draft sampled the token)
+        reject = np.flatnonzero(rng.random(n) * qd >= pt)
+        a = int(reject[0]) if reject.size else n
+    if a == n:
+        return [int(t) for t in draft] + [draw_sparse(*_pair(p[n]), rng)]
+    ids, pp = _pair(p[a])
+    residual = np.maximum(pp - _probs_at(q[a], ids), 0.0)
+    if not residual.sum() > 0.0:  # p == q up to rounding: the residual is empty, p itself is exact
+        residual = pp
+    return [int(t) for t in draft[:a]] + [draw_sparse(ids, residual, rng)]
+
+
+def _pair(d) -> tuple[np.ndarray, np.ndarray]:
+    return (d.ids, d.probs) if hasattr(d, "ids") else (np.asarray(d[0]), np.asarray(d[1]))
+
+
+def _prob_of(d, token: int) -> float:
+    ids, probs = _pair(d)
+    hit = np.flatnonzero(ids == token)
+    return float(probs[hit[0]]) if hit.size else 0.0
+
+
+def _probs_at(d, ids: np.ndarray) -> np.ndarray:
+    """The probabilities distribution d gives to each of `ids` (0 where it has none)."""
+    qi, qp = _pair(d)
+    order = np.argsort(qi, kind="stable")
+    sq = qi[order]
+    j = np.clip(np.searchsorted(sq, ids), 0, max(len(sq) - 1, 0))
+    found = sq[j] == ids if len(sq) else np.zeros(len(ids), bool)
+    return np.where(found, qp[order][j], 0.0)
+
+
+def draw_sparse(ids: np.ndarray, weights: np.ndarray, rng: np.random.Generator) -> int:
+    """One id drawn with probability proportional to its weight (zero weights are never drawn)."""
+    c = np.cumsum(weights)
+    j = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
+    return int(ids[min(j, len(ids) - 1)])

@@ -18,13 +18,18 @@ import numpy as np
 
 from ..errors import ContextFullError, UsageError
 from . import _ffi
-from .accept import accepted_per_position, greedy_emit, top_probability
+from .accept import accepted_per_position, greedy_emit, rejection_emit, top_probability
+from .adaptive import AdaptiveDraft
 from .compat import VocabInfo, check_compatible
+from .sampling import SparseDist, Transform, sample
 
 log = logging.getLogger("specq.engine")
 
 # The largest draft the target context is sized for (its output rows per verify are draft_max + 1).
 DRAFT_MAX_CAP = 64
+# `draft_max="auto"`: the adaptive controller picks each step's length in 0..AUTO_DRAFT_CAP.
+AUTO_DRAFT_CAP = 16
+ACCEPT_MODES = ("auto", "match", "rejection")
 
 
 def physical_cores() -> int:
@@ -52,7 +57,7 @@ def physical_cores() -> int:
 @dataclass(frozen=True)
 class GenerationSettings:
     n_predict: int | None = 128  # None: until end of generation or a full context
-    draft_max: int = 8
+    draft_max: int | str = 8  # or "auto": adaptive length per step (AUTO_DRAFT_CAP at most)
     draft_min: int = 0
     p_min: float = 0.0
     temp: float = 0.0
@@ -60,13 +65,35 @@ class GenerationSettings:
     top_p: float = 0.95
     min_p: float = 0.05
     seed: int = 0
+    accept: str = "auto"  # "match" | "rejection" | "auto" (rejection at temp > 0); temp 0 is always greedy
+
+    @property
+    def adaptive(self) -> bool:
+        return self.draft_max == "auto"
+
+    @property
+    def draft_cap(self) -> int:
+        """The most tokens one step may draft."""
+        return AUTO_DRAFT_CAP if self.adaptive else int(self.draft_max)
+
+    @property
+    def accept_mode(self) -> str:
+        """What verification does: "greedy" (temp 0), "match" or "rejection"."""
+        if self.temp <= 0:
+            return "greedy"
+        return "rejection" if self.accept == "auto" else self.accept
 
     def validate(self) -> "GenerationSettings":
         if self.n_predict is not None and self.n_predict < 1:
             raise UsageError(f"--n-predict must be at least 1 ({self.n_predict}); pass a positive number")
-        if not 1 <= self.draft_max <= DRAFT_MAX_CAP:
-            raise UsageError(f"--draft-max must be between 1 and {DRAFT_MAX_CAP} ({self.draft_max})")
-        if not 0 <= self.draft_min <= self.draft_max:
+        if isinstance(self.draft_max, str):
+            if self.draft_max != "auto":
+                raise UsageError(f"--draft-max must be a number or auto ({self.draft_max})")
+        elif not 1 <= self.draft_max <= DRAFT_MAX_CAP:
+            raise UsageError(f"--draft-max must be between 1 and {DRAFT_MAX_CAP}, or auto ({self.draft_max})")
+        if self.accept not in ACCEPT_MODES:
+            raise UsageError(f"--accept must be one of {', '.join(ACCEPT_MODES)} ({self.accept})")
+        if not 0 <= self.draft_min <= self.draft_cap:
             raise UsageError(f"--draft-min must be between 0 and --draft-max ({self.draft_min})")
         if not 0.0 <= self.p_min <= 1.0:
             raise UsageError(f"--p-min must be between 0 and 1 ({self.p_min})")
@@ -105,6 +132,10 @@ class GenerationStats:
     decode_ms: float  # time inside llama_decode (both models) during generation
     n_restores: int  # checkpoint restores (targets that cannot remove part of a sequence)
     stop_reason: str  # "eog" | "n_predict" | "ctx" | "interrupted"
+    accept_mode: str = "greedy"  # "greedy" | "match" | "rejection"
+    sample_ms: float = 0.0  # rejection mode: time in the sampling transform and acceptance (both models)
+    n_plain_steps: int = 0  # draft_max=auto: steps that chose not to draft (probes excluded)
+    n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning
 
     @property
     def accept_rate(self) -> float | None:
@@ -148,6 +179,7 @@ class _Cache:
         else:
             base, state = self.checkpoint
             self.ctx.state_set(state)
+            self.ctx.seq_rm(base, -1)  # hybrid: the attention part still holds the later positions
             self.n_restores += 1
         keep = self.tokens[:n]
         del self.tokens[base:]
@@ -240,6 +272,29 @@ class _Step:
     n_drafted: int
     draft_s: float
     verify_s: float
+    draft_token_s: float | None = None  # seconds per drafted token, where measured cleanly
+
+
+class _Sampling:
+    """How one generation verifies: the mode, llama.cpp's chain (greedy/match), transforms + rng (rejection)."""
+
+    def __init__(self, s: GenerationSettings, speculative: bool):
+        # Without a draft, "match" is plain sampling with llama.cpp's chain: the baseline's reference.
+        self.mode = s.accept_mode if speculative else ("greedy" if s.temp <= 0 else "match")
+        self.sampler = _ffi.Sampler(s.temp, s.top_k, s.top_p, s.min_p, s.seed)
+        self.target_tf = self.draft_tf = None
+        self.rng = None
+        self.sample_s = 0.0
+        if speculative and self.mode == "rejection":
+            self.rng = np.random.default_rng(s.seed)
+            self.target_tf = Transform(s.temp, s.top_k, s.top_p, s.min_p)
+            self.draft_tf = Transform(s.temp, s.top_k, s.top_p, s.min_p)
+
+    def close(self) -> None:
+        self.sampler.close()
+        for t in (self.target_tf, self.draft_tf):
+            if t is not None:
+                t.close()
 
 
 class Session:
@@ -266,45 +321,73 @@ class Session:
         return self.engine.n_ctx
 
     # ==== the speculative step ================================================================
-    def _draft(self, n_max: int, p_min: float) -> list[int]:
-        """Greedy draft of up to n_max tokens, stopping early when the draft's top-1 probability < p_min."""
+    def _draft(self, n_max: int, p_min: float, samp: "_Sampling") -> tuple[list[int], list[SparseDist], float]:
+        """Draft up to n_max tokens: greedy, or sampled from the draft's transformed distribution (rejection).
+
+        Stops early when the draft's top probability < p_min. Returns (tokens, their distributions in
+        rejection mode, seconds per drafted token measured on single-token decodes or None).
+        """
         dft = self.dft
+        t_start = time.perf_counter()
+        catchup = len(self.history) - len(dft.tokens)
         dft.extend(self.history[len(dft.tokens):], logits="last")  # catch up, incl. the last token
         dft.save_checkpoint()
+        t_loop = time.perf_counter()
         n_vocab_tgt = self.engine.target.n_vocab
         drafts: list[int] = []
+        dists: list[SparseDist] = []
         while True:
             row = dft.ctx.logits(1)[0]
-            tok = int(row.argmax())
-            if tok >= n_vocab_tgt or (p_min > 0 and top_probability(row) < p_min):
-                break
+            if samp.draft_tf is None:
+                tok = int(row.argmax())
+                if tok >= n_vocab_tgt or (p_min > 0 and top_probability(row) < p_min):
+                    break
+            else:
+                ts = time.perf_counter()
+                q = samp.draft_tf(row)
+                tok = sample(q, samp.rng)
+                samp.sample_s += time.perf_counter() - ts
+                if tok >= n_vocab_tgt or (p_min > 0 and q.top_prob() < p_min):
+                    break
+                dists.append(q)
             drafts.append(tok)
             if len(drafts) >= n_max:
                 break
             dft.extend([tok], logits="last")
-        return drafts
+        # Cost per drafted token: the single-token decodes, or one short catch-up (long ones are prefill-like).
+        per_token = None
+        if len(drafts) >= 2:
+            per_token = (time.perf_counter() - t_loop) / (len(drafts) - 1)
+        elif drafts and catchup <= 2:
+            per_token = time.perf_counter() - t_start
+        return drafts, dists, per_token
 
-    def _step(self, s: GenerationSettings, sampler: _ffi.Sampler, n_draft_max: int) -> _Step:
+    def _step(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int) -> "_Step":
         t0 = time.perf_counter()
-        drafts = self._draft(n_draft_max, s.p_min) if n_draft_max > 0 else []
+        drafts, q, per_token = self._draft(n_draft_max, s.p_min, samp) if n_draft_max > 0 else ([], [], None)
         if len(drafts) < s.draft_min:
-            drafts = []
+            drafts, q = [], []
         t1 = time.perf_counter()
         # One target pass over [last, d1..dn], logits at every position.
         self.tgt.save_checkpoint()
         self.tgt.extend([self.history[-1]] + drafts, logits="all")
-        if sampler.greedy:
+        if samp.mode == "greedy":
             emitted = greedy_emit(self.tgt.ctx.logits(len(drafts) + 1), drafts)
+        elif samp.mode == "rejection":
+            ts = time.perf_counter()
+            p = samp.target_tf.rows(self.tgt.ctx.logits(len(drafts) + 1))
+            emitted = rejection_emit(drafts, q, p, samp.rng)
+            samp.sample_s += time.perf_counter() - ts
         else:
             # The target samples at each position; a draft token is accepted when the sample equals it.
             emitted = []
             for i in range(len(drafts) + 1):
-                tok = sampler.sample(self.tgt.ctx, i)
+                tok = samp.sampler.sample(self.tgt.ctx, i)
                 emitted.append(tok)
                 if i == len(drafts) or tok != drafts[i]:
                     break
         t2 = time.perf_counter()
-        return _Step(emitted, len(drafts), t1 - t0, t2 - t1)
+        return _Step(emitted, len(drafts), t1 - t0, t2 - t1, per_token)
 
     def _rewind(self) -> None:
         """Roll both memories back to the committed history (the target holds all but the last token)."""
@@ -350,6 +433,7 @@ class Generation:
         self.settings = settings
         self.speculative = speculative
         self.stats: GenerationStats | None = None
+        self.controller: AdaptiveDraft | None = None  # draft_max="auto": its final estimates (for tune)
         self.tokens: list[int] = []
         self._text: list[str] = []
 
@@ -365,7 +449,12 @@ class Generation:
         ses.prefill(self.new_tokens)
         prompt_s = time.perf_counter() - tp0
 
-        sampler = _ffi.Sampler(s.temp, s.top_k, s.top_p, s.min_p, s.seed)
+        samp = _Sampling(s, self.speculative)
+        ctrl = None
+        if self.speculative and s.adaptive:
+            ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1)
+            ctrl = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio)
+        self.controller = ctrl
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         n_steps = n_drafted = 0
         accepted: list[int] = []
@@ -385,10 +474,13 @@ class Generation:
                     break
                 n_draft_max = 0
                 if self.speculative:
-                    n_draft_max = min(s.draft_max, ses.n_ctx - len(ses.history) - 1)
+                    n_draft_max = min(s.draft_cap, ses.n_ctx - len(ses.history) - 1)
                     if remaining is not None:
                         n_draft_max = min(n_draft_max, remaining - 1)
-                step = ses._step(s, sampler, max(n_draft_max, 0))
+                    if ctrl is not None:
+                        t_step = time.perf_counter()
+                        n_draft_max = ctrl.choose(n_draft_max)
+                step = ses._step(s, samp, max(n_draft_max, 0))
                 n_steps += 1
                 draft_s += step.draft_s
                 verify_s += step.verify_s
@@ -411,6 +503,9 @@ class Generation:
                         done = "n_predict"
                         break
                 ses._rewind()
+                if ctrl is not None:
+                    ctrl.observe(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
+                                 time.perf_counter() - t_step - step.draft_s - step.verify_s)
                 yield from events
                 if done:
                     stop = done
@@ -420,7 +515,7 @@ class Generation:
             try:
                 ses._rewind()
             finally:
-                sampler.close()
+                samp.close()
                 tail = utf8.decode(b"", final=True)
                 if tail:
                     self._text.append(tail)
@@ -428,10 +523,13 @@ class Generation:
                 self.stats = GenerationStats(
                     speculative=self.speculative, n_prompt=len(self.new_tokens), n_generated=len(self.tokens),
                     n_steps=n_steps, n_drafted=n_drafted, n_accepted=n_acc,
-                    accepted_per_pos=tuple(accepted_per_position(accepted, s.draft_max)) if self.speculative else (),
+                    accepted_per_pos=tuple(accepted_per_position(accepted, s.draft_cap)) if self.speculative else (),
                     prompt_ms=prompt_s * 1e3, draft_ms=draft_s * 1e3, verify_ms=verify_s * 1e3,
                     gen_ms=gen_s * 1e3, decode_ms=(sum(c.decode_s for c in ctxs) - decode0) * 1e3,
-                    n_restores=ses.tgt.n_restores - restores0, stop_reason=stop)
+                    n_restores=ses.tgt.n_restores - restores0, stop_reason=stop,
+                    accept_mode=samp.mode if self.speculative else ("greedy" if s.temp <= 0 else "sample"),
+                    sample_ms=samp.sample_s * 1e3, n_plain_steps=ctrl.n_plain_steps if ctrl else 0,
+                    n_probes=ctrl.n_probes if ctrl else 0)
 
     def run(self) -> "Generation":
         """Consume the whole generation (no streaming)."""

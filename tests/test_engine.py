@@ -117,7 +117,7 @@ def test_sampling_temperature_speculative_matches_baseline_with_same_seed(engine
     e = engines["close"]
     for seed in (1, 2):
         b = run(e, PROMPTS[0], False, n_predict=40, temp=0.8, seed=seed)
-        s = run(e, PROMPTS[0], True, n_predict=40, temp=0.8, seed=seed, draft_max=4)
+        s = run(e, PROMPTS[0], True, n_predict=40, temp=0.8, seed=seed, draft_max=4, accept="match")
         assert s.stats.n_drafted > 0
         assert s.tokens == b.tokens
         assert_not_degenerate(b.tokens)
