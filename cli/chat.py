@@ -149,7 +149,7 @@ def interactive(chat: ChatSession, console: Console, color: bool, panel: bool, b
 
 
 def piped(chat: ChatSession, lines: TextIO, stdout: TextIO, stderr: Console) -> int:
-    """Each line a user turn (or a slash command); answers on stdout; one JSON stats line on stderr last."""
+    """Each line a user turn (or a slash command); answers on stdout. The caller prints the stats line."""
     failed = False
     for line in lines:
         line = line.rstrip("\r\n")
@@ -180,8 +180,6 @@ def piped(chat: ChatSession, lines: TextIO, stdout: TextIO, stderr: Console) -> 
         if answer.stats.stop_reason == "ctx":
             stderr.print(f"specq: the context is full ({chat.n_used} of {chat.n_ctx} tokens); "
                          "send /reset to start a new conversation, or use a larger --ctx")
-    stderr.file.write(json.dumps(chat.totals.final_line()) + "\n")
-    stderr.file.flush()
     return 1 if failed else 0
 
 
@@ -223,6 +221,7 @@ def main(
                      system=system, ctx=ctx, threads=threads,
                      ngl=default_ngl() if ngl is None else ngl,
                      ngl_draft=default_ngl() if ngl_draft is None else ngl_draft)
+    final = None
     try:
         if sys.stdin.isatty():
             console = Console(highlight=False, no_color=no_color)
@@ -233,6 +232,9 @@ def main(
             code = interactive(chat, console, color, panel=not quiet, banner=banner)
         else:
             code = piped(chat, sys.stdin, sys.stdout, Console(stderr=True, highlight=False, no_color=True))
+            final = chat.totals.final_line()
     finally:
         chat.engine.close()
+    if final is not None:  # last on stderr, after anything closing the models may log
+        print(json.dumps(final), file=sys.stderr, flush=True)
     raise typer.Exit(code)

@@ -435,7 +435,7 @@ class AnswerProgress:
 
 @dataclass(frozen=True)
 class PanelData:
-    state: str  # "generating" | "done" | "interrupted" | "context full" | "n_predict"
+    state: str  # "generating", then one of _STATES' values
     answer_accept: float | None
     session_accept: float | None
     tokens_per_step: float | None
@@ -455,6 +455,9 @@ class PanelData:
     speculative: bool
 
 
+_STATES = {"eog": "done", "ctx": "context full", "n_predict": "done (n-predict)", "interrupted": "interrupted"}
+
+
 def panel_data(p: AnswerProgress, totals: Totals, ctx_used: int, n_ctx: int, settings: GenerationSettings,
                speculative: bool, now: float) -> PanelData:
     """Numbers for the panel: this answer's final stats when done, else what its events tell so far;
@@ -469,7 +472,7 @@ def panel_data(p: AnswerProgress, totals: Totals, ctx_used: int, n_ctx: int, set
     tps_step = n_gen / n_steps if n_steps else None
     ratio = verify_step / draft_step if (draft_step and verify_step) else None
     acc_for_hint = answer_acc if answer_acc is not None else totals.accept_rate
-    state = "generating" if st is None else {"eog": "done", "ctx": "context full"}.get(st.stop_reason, st.stop_reason)
+    state = "generating" if st is None else _STATES.get(st.stop_reason, st.stop_reason)
     return PanelData(
         state=state, answer_accept=answer_acc, session_accept=totals.accept_rate, tokens_per_step=tps_step,
         draft_ms_step=draft_step, verify_ms_step=verify_step, verify_draft_ratio=ratio,
