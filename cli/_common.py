@@ -58,6 +58,12 @@ def handle_errors(fn: Callable) -> Callable:
         except KeyboardInterrupt:
             print("specq: interrupted", file=sys.stderr, flush=True)
             raise typer.Exit(130)
+        except BrokenPipeError:
+            # The reader went away (`specq plan | head`): not an error worth a message.
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(0)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 fail(f"no space left on the device ({e.filename or 'output'}); free some disk space and retry")
