@@ -97,7 +97,7 @@ def generate(e, prompt, speculative, **kw):
 
 
 def test_recurrent_target_with_llama_draft_equals_target_alone(mamba_target, tiny_target):
-    with Engine(mamba_target, tiny_target, ctx=256, threads=2) as e:
+    with Engine(mamba_target, tiny_target, ctx=256, threads=1) as e:
         assert e.target.is_recurrent_or_hybrid
         restores = 0
         for p in PROMPTS:
@@ -112,7 +112,7 @@ def test_recurrent_target_with_llama_draft_equals_target_alone(mamba_target, tin
 
 
 def test_recurrent_target_and_recurrent_draft(mamba_target, mamba_close):
-    with Engine(mamba_target, mamba_close, ctx=256, threads=2) as e:
+    with Engine(mamba_target, mamba_close, ctx=256, threads=1) as e:
         assert e.draft.is_recurrent_or_hybrid
         for p in PROMPTS:
             base = generate(e, p, False, n_predict=40)
@@ -123,7 +123,7 @@ def test_recurrent_target_and_recurrent_draft(mamba_target, mamba_close):
 
 
 def test_recurrent_target_adaptive_and_rejection_run(mamba_target, mamba_close):
-    with Engine(mamba_target, mamba_close, ctx=256, threads=2) as e:
+    with Engine(mamba_target, mamba_close, ctx=256, threads=1) as e:
         base = generate(e, PROMPTS[0], False, n_predict=32)
         g = generate(e, PROMPTS[0], True, n_predict=32, draft_max="auto")
         assert g.tokens == base.tokens
@@ -132,14 +132,14 @@ def test_recurrent_target_adaptive_and_rejection_run(mamba_target, mamba_close):
 
 
 def test_recurrent_cache_after_generation_matches_fresh_evaluation(mamba_target, mamba_close):
-    with Engine(mamba_target, mamba_close, ctx=256, threads=2) as e:
+    with Engine(mamba_target, mamba_close, ctx=256, threads=1) as e:
         s = e.session()
         s.generate(e.tokenize(PROMPTS[1]), GenerationSettings(n_predict=30, draft_max=4)).run()
         hist = list(s.history)
         assert s.tgt.tokens == hist[:-1]
         s.tgt.extend([hist[-1]], logits="last")
         after = np.array(s.tgt.ctx.logits(1)[0])
-    with Engine(mamba_target, None, ctx=256, threads=2) as fresh:
+    with Engine(mamba_target, None, ctx=256, threads=1) as fresh:
         fresh.tgt_ctx.decode(hist, 0, logits="last")
         ref = np.array(fresh.tgt_ctx.logits(1)[0])
     np.testing.assert_allclose(after, ref, rtol=1e-3, atol=1e-3)

@@ -100,7 +100,7 @@ def test_rejection_emit_on_synthetic_distributions_is_exact():
 def small_pair(models_dir):
     t = write_tiny_gguf(models_dir / "small_target.gguf", seed=11, spec=SMALL)
     d = write_tiny_gguf(models_dir / "small_close.gguf", seed=12, spec=SMALL, noise_from=(11, 0.3))
-    with Engine(t, d, ctx=128, threads=2) as e:
+    with Engine(t, d, ctx=128, threads=1) as e:
         yield e
 
 
@@ -176,7 +176,7 @@ def test_speculative_first_token_end_to_end_matches_target_alone(small_pair, acc
 
 
 def test_rejection_accepts_more_than_match_at_temperature_1(tiny_target, tiny_close):
-    with Engine(tiny_target, tiny_close, ctx=256, threads=2) as e:
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1) as e:
         toks = e.tokenize("def fibonacci(n):")
         rate = {}
         for mode in ("match", "rejection"):
@@ -192,7 +192,7 @@ def test_rejection_accepts_more_than_match_at_temperature_1(tiny_target, tiny_cl
 
 
 def test_temperature_zero_is_greedy_in_every_mode(tiny_target, tiny_close):
-    with Engine(tiny_target, tiny_close, ctx=256, threads=2) as e:
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1) as e:
         toks = e.tokenize("def fibonacci(n):")
         outs = [e.session().generate(toks, GenerationSettings(n_predict=24, accept=m)).run() for m in
                 ("auto", "match", "rejection")]
@@ -202,7 +202,7 @@ def test_temperature_zero_is_greedy_in_every_mode(tiny_target, tiny_close):
 
 
 def test_rejection_is_reproducible_with_a_seed(tiny_target, tiny_close):
-    with Engine(tiny_target, tiny_close, ctx=256, threads=2) as e:
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1) as e:
         toks = e.tokenize("The quick brown fox")
         s = GenerationSettings(n_predict=32, temp=0.9, seed=7)
         a, b = (e.session().generate(toks, s).run() for _ in range(2))

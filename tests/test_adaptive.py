@@ -1,0 +1,116 @@
+"""draft_max="auto": the controller's decisions on synthetic costs, and the engine running it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import tinymodels
+
+from specq.errors import UsageError
+from specq.native.adaptive import AdaptiveDraft
+from specq.native.engine import AUTO_DRAFT_CAP, Engine, GenerationSettings
+
+
+def simulate(alpha: float, draft_ms: float, verify_ms, steps: int = 300, seed: int = 0):
+    """Run the controller against a synthetic pair: i.i.d. acceptance alpha, fixed costs."""
+    rng = np.random.default_rng(seed)
+    c = AdaptiveDraft(cap=16)
+    ks, tokens, time_s = [], 0, 0.0
+    for _ in range(steps):
+        k = c.choose(16)
+        a = 0
+        while a < k and rng.random() < alpha:
+            a += 1
+        v = verify_ms(k + 1) / 1e3
+        c.observe(k, a, draft_ms / 1e3 if k else None, v, 0.0)
+        ks.append(k)
+        tokens += a + 1
+        time_s += k * draft_ms / 1e3 + v
+    return c, ks, tokens / time_s
+
+
+def test_useless_draft_falls_back_to_plain_decoding_with_probes():
+    c, ks, tps = simulate(0.0, draft_ms=2.0, verify_ms=lambda b: 20.0 + 3.0 * (b - 1))
+    assert c.n_plain_steps > 250 and c.n_probes > 0
+    assert tps >= 0.97 * (1 / 0.020)  # within 3% of plain decoding
+
+
+def test_expensive_draft_is_not_used():
+    c, ks, tps = simulate(0.6, draft_ms=16.0, verify_ms=lambda b: 20.0 + 4.0 * (b - 1))
+    assert sum(k == 0 for k in ks[20:]) > 0.9 * len(ks[20:])
+    assert tps >= 0.95 * (1 / 0.020)
+
+
+def test_good_cheap_draft_drafts_long_on_flat_verify_cost():
+    c, ks, tps = simulate(0.9, draft_ms=1.0, verify_ms=lambda b: 20.0)
+    assert np.median(ks[20:]) >= 6
+    assert tps > 3 * (1 / 0.020)
+    snap = c.snapshot()
+    assert snap.alpha[0] > 0.7 and snap.best_k >= 6
+
+
+def test_verify_cost_growth_shortens_the_draft():
+    _, flat, _ = simulate(0.8, draft_ms=1.0, verify_ms=lambda b: 20.0)
+    _, steep, _ = simulate(0.8, draft_ms=1.0, verify_ms=lambda b: 20.0 + 8.0 * (b - 1))
+    assert np.median(steep[20:]) < np.median(flat[20:])
+
+
+def test_settings_auto_serialises_and_validates():
+    s = GenerationSettings(draft_max="auto").validate()
+    assert s.adaptive and s.draft_cap == AUTO_DRAFT_CAP
+    assert dataclasses.asdict(s)["draft_max"] == "auto"
+    with pytest.raises(UsageError, match="--draft-max"):
+        GenerationSettings(draft_max="sometimes").validate()
+
+
+@pytest.fixture(scope="module")
+def deep_target(models_dir, tiny_target):
+    """tiny_target's 2 layers plus 22 layers that add exactly zero: same logits, ~8x the cost.
+
+    With tiny_target as its draft this is a perfect, cheap draft (the demo pair's shape, in miniature).
+    """
+    saved = tinymodels.weights
+
+    def padded(spec, n_rows, seed):
+        w = saved(spec, n_rows, seed)  # same seed and draw order: layers 0-1 equal tiny_target's
+        for i in range(2, spec.n_layer):
+            w[f"blk.{i}.attn_output.weight"][:] = 0.0
+            w[f"blk.{i}.ffn_down.weight"][:] = 0.0
+        return w
+
+    tinymodels.weights = padded
+    try:
+        return tinymodels.write_tiny_gguf(models_dir / "deep_target.gguf", seed=1,
+                                          spec=tinymodels.TinySpec(n_layer=24))
+    finally:
+        tinymodels.weights = saved
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_target, tiny_unrelated, deep_target):
+    with Engine(tiny_target, tiny_unrelated, ctx=512, threads=1) as bad, \
+            Engine(deep_target, tiny_target, ctx=512, threads=1) as good:
+        yield {"unrelated": bad, "good": good}
+
+
+def test_engine_auto_with_unrelated_draft_is_exact_and_mostly_plain(pairs):
+    e = pairs["unrelated"]
+    toks = e.tokenize("The quick brown fox")
+    base = e.session().generate(toks, GenerationSettings(n_predict=96), speculative=False).run()
+    g = e.session().generate(toks, GenerationSettings(n_predict=96, draft_max="auto")).run()
+    assert g.tokens == base.tokens
+    assert g.stats.n_plain_steps > 0  # the mechanism ran: it chose not to draft
+    assert g.stats.n_plain_steps > g.stats.n_steps // 2
+
+
+def test_engine_auto_with_perfect_cheap_draft_drafts_and_accepts(pairs):
+    e = pairs["good"]
+    toks = e.tokenize("def fibonacci(n):")
+    base = e.session().generate(toks, GenerationSettings(n_predict=96), speculative=False).run()
+    g = e.session().generate(toks, GenerationSettings(n_predict=96, draft_max="auto")).run()
+    assert g.tokens == base.tokens
+    assert g.stats.n_drafted > 48 and g.stats.n_accepted == g.stats.n_drafted
+    assert len(g.stats.accepted_per_pos) == AUTO_DRAFT_CAP
