@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.console import Group
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from ..errors import UsageError
-from ..native.bench import DEFAULT_PROMPT, BenchConfig, run_bench
+from ..native.bench import DEFAULT_PROMPT, BenchConfig, load_prompt_set, run_bench, write_csv
+from ..native.bench_plot import check_plot_available, plot_sweep
 from ..native.demo import demo_pair
 from ..native.engine import GenerationSettings
 from ._common import Quiet, Verbose, err, handle_errors, setup_logging
@@ -46,18 +52,104 @@ def _fmt(v, spec: str = ".1f", none: str = "–") -> str:
     return none if v is None else format(v, spec)
 
 
+def _pct(v) -> str:
+    return "–" if v is None else f"{100 * v:.1f}%"
+
+
+def parse_list(flag: str, text: str | None, conv) -> list:
+    """'1,2,4' → [1, 2, 4]; a bad item is a usage error naming the flag."""
+    if text is None:
+        return []
+    try:
+        vals = [conv(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} takes a comma-separated list of numbers ({text}); e.g. {flag} 1,2,4,8")
+    if not vals:
+        raise UsageError(f"{flag} is empty ({text!r}); e.g. {flag} 1,2,4,8")
+    return list(dict.fromkeys(vals))
+
+
+def _agg(rows: list[dict], key: str):
+    vals = [r[key] for r in rows if r[key] is not None]
+    return (statistics.median(vals), min(vals), max(vals)) if vals else (None, None, None)
+
+
 def render_table(doc: dict) -> Table:
-    """A pure function from the bench document to a Rich table."""
-    t = Table(title="specq bench", title_justify="left")
-    for col in ("mode", "prompt", "rep", "tokens", "tok/s", "accept", "acc/step", "draft ms", "verify ms", "gen ms"):
-        t.add_column(col, justify="left" if col == "mode" else "right")
-    for r in doc["runs"]:
-        t.add_row(r["mode"], str(r["prompt_index"]), str(r["repeat"]), str(r["n_generated"]),
-                  _fmt(r["tokens_per_s"]), _fmt(r["accept_rate"] and 100 * r["accept_rate"], ".1f") +
-                  ("%" if r["accept_rate"] is not None else ""),
-                  _fmt(r["mean_accepted_per_step"], ".2f"), _fmt(r["draft_ms"], ".0f"), _fmt(r["verify_ms"], ".0f"),
-                  _fmt(r["gen_ms"], ".0f"))
+    """A pure function from the bench document to a Rich table: one row per prompt and mode, medians over
+    repeats with the min–max range (short headers so it reads at 80 columns)."""
+    multi = bool(doc.get("sweep"))
+    t = Table(title="specq bench" + (" (recommended point)" if multi else ""), title_justify="left")
+    for col in ("prompt", "mode", "tok/s", "min–max", "accept", "acc/st", "draft", "verify"):
+        t.add_column(col, justify="left" if col in ("prompt", "mode") else "right")
+    s = doc["summary"]
+    names = {p["index"]: p["name"] or str(p["index"]) for p in doc.get("prompts", [])}
+    for pi in sorted({r["prompt_index"] for r in doc["runs"]}):
+        for mode in ("baseline", "speculative"):
+            rows = [r for r in doc["runs"] if r["prompt_index"] == pi and r["mode"] == mode
+                    and (mode == "baseline" or r.get("draft_max") in (None, s.get("draft_max")))
+                    and (mode == "baseline" or r.get("p_min") in (None, s.get("p_min")))]
+            if not rows:
+                continue
+            tps, lo, hi = _agg(rows, "tokens_per_s")
+            t.add_row(names.get(pi, str(pi))[:10], "base" if mode == "baseline" else "spec", _fmt(tps),
+                      f"{lo:.0f}–{hi:.0f}", _pct(_agg(rows, "accept_rate")[0]),
+                      _fmt(_agg(rows, "mean_accepted_per_step")[0], ".2f"),
+                      _fmt(_agg(rows, "draft_ms")[0], ".0f"), _fmt(_agg(rows, "verify_ms")[0], ".0f"))
     return t
+
+
+def render_sweep(doc: dict) -> Table:
+    """One row per sweep point: tokens/s, speed-up, acceptance, and the ideal speed-up from the measured α and c."""
+    t = Table(title="sweep · ×: measured speed-up · ideal: from measured α and c · pred: also with the measured "
+                    "verify cost (in target tokens)", title_justify="left")
+    for col in ("k", "p-min", "tok/s", "×", "accept", "acc/st", "ideal", "pred", "c", "verify"):
+        t.add_column(col, justify="right")
+    best = doc.get("recommendation") or {}
+    for pt in doc["sweep"]:
+        s = pt["summary"]
+        is_best = (pt["draft_max"], pt["p_min"]) == (best.get("draft_max"), best.get("p_min"))
+        t.add_row(str(pt["draft_max"]), f"{pt['p_min']:g}", _fmt(s["speculative_tokens_per_s"]),
+                  _fmt(s["speedup"], ".2f"), _pct(s.get("alpha")),
+                  _fmt(s["mean_accepted_per_step"], ".2f"), _fmt(s.get("ideal_speedup"), ".2f"),
+                  _fmt(s.get("predicted_speedup"), ".2f"), _fmt(s.get("cost_ratio"), ".3f"),
+                  _fmt(s.get("verify_cost"), ".2f"),
+                  style="bold" if is_best else None)
+    return t
+
+
+def histogram(summary: dict, width: int = 30) -> Text | None:
+    """Per-position acceptance: the share of steps that accepted at least i draft tokens."""
+    shares = summary.get("accept_at_pos") or []
+    if not shares:
+        return None
+    out = Text("accepted ≥ i draft tokens, share of steps:\n")
+    for i, sh in enumerate(shares, 1):
+        out.append(f"  {i:>2} {'█' * round(sh * width):<{width}} {100 * sh:5.1f}%\n")
+    return out
+
+
+def cost_line(summary: dict) -> str | None:
+    """The measured cost model next to the measured speed-up."""
+    if summary.get("alpha") is None:
+        return None
+    parts = [f"α {summary['alpha']:.2f}"]
+    if summary.get("cost_ratio") is not None:
+        parts.append(f"c {summary['cost_ratio']:.3f} (draft ms/token ÷ target ms/token)")
+    if summary.get("verify_cost") is not None:
+        parts.append(f"verify {summary['verify_cost']:.2f}× a target token")
+    if summary.get("ideal_speedup") is not None:
+        parts.append(f"ideal {summary['ideal_speedup']:.2f}× · with measured verify "
+                     f"{summary['predicted_speedup']:.2f}× · measured {_fmt(summary['speedup'], '.2f')}×")
+    return " · ".join(parts)
+
+
+def recommendation_line(doc: dict) -> str | None:
+    best = doc.get("recommendation")
+    if not best:
+        return None
+    sp = f", {best['speedup']:.2f}× the target alone" if best.get("speedup") else ""
+    return (f"recommended for this pair and prompts: --draft-max {best['draft_max']} --p-min {best['p_min']:g} "
+            f"({best['speculative_tokens_per_s']:.1f} tok/s{sp})")
 
 
 def summary_line(doc: dict) -> str:
@@ -70,6 +162,26 @@ def summary_line(doc: dict) -> str:
     if s["identical_output"] is not None:
         parts.append("output identical to baseline" if s["identical_output"] else "OUTPUT DIFFERS from baseline")
     return " · ".join(parts)
+
+
+def report(doc: dict) -> Group:
+    """Everything the human sees after a run, as one renderable."""
+    parts = [render_table(doc)]
+    if doc.get("sweep"):
+        parts.append(render_sweep(doc))
+    parts.append(Text(summary_line(doc)))
+    for extra in (cost_line(doc["summary"]), histogram(doc["summary"]), recommendation_line(doc)):
+        if extra:
+            parts.append(extra if isinstance(extra, Text) else Text(extra))
+    return Group(*parts)
+
+
+def _progress(total: int, enabled: bool):
+    """A progress bar on stderr for long runs (only when stderr is a terminal and not --quiet)."""
+    if not enabled or total < 2:
+        return None
+    return Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("{task.description}"), console=err, transient=True)
 
 
 @handle_errors
@@ -94,6 +206,13 @@ def main(
     repeat: Annotated[int, typer.Option(help="Repeats per prompt (medians are reported).")] = 1,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the target-alone runs.")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the results as JSON to PATH, or - for stdout.")] = None,
+    sweep_draft_max: Annotated[Optional[str], typer.Option(help="Sweep draft-max over a list, e.g. 1,2,4,8.")] = None,
+    sweep_p_min: Annotated[Optional[str], typer.Option(help="Sweep p-min over a list, e.g. 0,0.5,0.9.")] = None,
+    prompt_set: Annotated[Optional[str], typer.Option(help="A built-in prompt set: default (code, chat, reasoning, "
+                                                            "Chinese, a long-document summary).")] = None,
+    csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write one CSV row per run to PATH.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Write tokens/s and acceptance vs draft-max to a PNG "
+                                                      "(needs matplotlib: specq[plot]).")] = None,
     verbose: Verbose = False,
     quiet: Quiet = False,
 ) -> None:
@@ -104,33 +223,68 @@ def main(
         raise UsageError(f"--repeat must be at least 1 ({repeat})")
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1 ({threads})")
-    prompts = read_prompts(prompt, prompt_file)
+    if prompt_set is not None and (prompt or prompt_file):
+        raise UsageError("give --prompt-set, --prompt or --prompt-file, not several")
+    names, prompts = load_prompt_set(prompt_set) if prompt_set is not None else ((), read_prompts(prompt, prompt_file))
+    ks = parse_list("--sweep-draft-max", sweep_draft_max, int) or [settings.draft_max]
+    pmins = parse_list("--sweep-p-min", sweep_p_min, float) or [settings.p_min]
+    sweep = tuple((k, p) for k in ks for p in pmins) if (sweep_draft_max or sweep_p_min) else ()
+    for k, p in sweep:  # fail before loading any model
+        GenerationSettings(draft_max=k, p_min=p).validate()
+    if plot is not None:
+        check_plot_available()
     if target is None:
         if draft is not None:
             raise UsageError("--draft needs --target; omit both for the demo pair")
         target, draft = demo_pair()
     if draft is None and no_baseline:
         raise UsageError("--no-baseline needs a --draft: there would be nothing to run")
+    if sweep and draft is None:
+        raise UsageError("a sweep needs a --draft: there is nothing to sweep without one")
     cfg = BenchConfig(target=str(target), draft=str(draft) if draft else None, prompts=prompts, settings=settings,
                       ctx=ctx, threads=threads, ngl=ngl, ngl_draft=ngl_draft, repeat=repeat, baseline=not no_baseline,
-                      extra_settings={"prompt_file": str(prompt_file) if prompt_file else None})
-    doc = run_bench(cfg)
+                      extra_settings={"prompt_file": str(prompt_file) if prompt_file else None,
+                                      "prompt_set": prompt_set, "sweep_draft_max": ks if sweep_draft_max else None,
+                                      "sweep_p_min": pmins if sweep_p_min else None},
+                      sweep=sweep, prompt_names=names)
+    progress = _progress(cfg.n_runs(), enabled=not quiet and err.is_terminal)
+    if progress is None:
+        doc = run_bench(cfg)
+    else:
+        with progress:
+            task = progress.add_task("", total=cfg.n_runs())
+
+            def on_run(row: dict) -> None:
+                what = "baseline" if row["mode"] == "baseline" else f"k {row['draft_max']} p-min {row['p_min']:g}"
+                progress.update(task, advance=1, description=f"{what}: {row['tokens_per_s']:.1f} tok/s")
+
+            doc = run_bench(cfg, on_run=on_run)
     text = json.dumps(doc, indent=2)
     if json_out == "-":
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
     elif json_out:
-        Path(json_out).write_text(text + "\n", encoding="utf-8")
+        _write_atomic(Path(json_out), text + "\n")
+    if csv_out is not None:
+        write_csv(doc, csv_out)
+    if plot is not None:
+        plot_sweep(doc, plot)
     if not quiet:
-        console = err if json_out == "-" else None
-        _print(render_table(doc), summary_line(doc), console)
+        from ._common import out
+
+        (err if json_out == "-" else out).print(report(doc))
     elif json_out != "-":
         print(summary_line(doc))
+        if recommendation_line(doc):
+            print(recommendation_line(doc))
 
 
-def _print(table: Table, line: str, console) -> None:
-    from ._common import out
-
-    c = console or out
-    c.print(table)
-    c.print(line)
+def _write_atomic(path: Path, text: str) -> None:
+    if not path.parent.is_dir():
+        raise UsageError(f"folder not found ({path.parent}); create it first or pick another --json path")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
 from typing import Callable
 
 from .. import __version__
+from ..errors import UsageError
 from . import _ffi
+from .accept import expected_tokens_per_pass, ideal_speedup
 from .engine import Engine, Generation, GenerationSettings, GenerationStats
 
 log = logging.getLogger("specq.bench")
@@ -31,18 +35,42 @@ class BenchConfig:
     repeat: int = 1
     baseline: bool = True
     extra_settings: dict = field(default_factory=dict)  # other flags to echo in the JSON settings
+    sweep: tuple[tuple[int, float], ...] = ()  # (draft_max, p_min) points; empty: just `settings`
+    prompt_names: tuple[str, ...] = ()
+
+    def points(self) -> list[tuple[int, float]]:
+        return list(self.sweep) or [(self.settings.draft_max, self.settings.p_min)]
+
+    def n_runs(self) -> int:
+        per_prompt = int(self.baseline) + (len(self.points()) if self.draft else 0)
+        return self.repeat * len(self.prompts) * per_prompt
+
+
+def load_prompt_set(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A built-in prompt set from specq/models/prompts/NAME.jsonl: (names, prompts)."""
+    folder = resources.files("specq.models") / "prompts"
+    f = folder / f"{name}.jsonl"
+    if not f.is_file():
+        known = sorted(p.name[:-6] for p in folder.iterdir() if p.name.endswith(".jsonl"))
+        raise UsageError(f"unknown prompt set ({name}); choose one of {', '.join(known)}")
+    rows = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return tuple(r["name"] for r in rows), tuple(r["prompt"] for r in rows)
 
 
 def default_ngl() -> int:
     return 999 if _ffi.supports_gpu_offload() else 0
 
 
-def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation) -> dict:
+def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, settings: GenerationSettings | None = None,
+               prompt_name: str | None = None) -> dict:
     """One run as the JSON row; speculative-only fields are null on baseline rows."""
     st: GenerationStats = gen.stats
     spec = mode == "speculative"
     row = {
-        "mode": mode, "prompt_index": prompt_index, "repeat": repeat, "text": gen.text, "tokens": list(gen.tokens),
+        "mode": mode, "prompt_index": prompt_index, "prompt_name": prompt_name, "repeat": repeat,
+        "draft_max": settings.draft_max if (spec and settings) else None,
+        "p_min": settings.p_min if (spec and settings) else None,
+        "text": gen.text, "tokens": list(gen.tokens),
         "n_prompt": st.n_prompt, "n_generated": st.n_generated, "tokens_per_s": st.tokens_per_s,
         "prompt_ms": st.prompt_ms, "gen_ms": st.gen_ms,
         "n_steps": st.n_steps if spec else None,
@@ -63,7 +91,46 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def summarize(runs: list[dict], temp: float) -> dict:
+def _span(values: list[float | None]) -> tuple[float | None, float | None]:
+    vals = [v for v in values if v is not None]
+    return (min(vals), max(vals)) if vals else (None, None)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if (a is not None and b) else None
+
+
+def cost_model(base: list[dict], spec: list[dict], draft_max: int | None) -> dict:
+    """Measured α, draft/target cost ratio c and verify cost v, and the speed-ups they imply.
+
+    c = draft ms per drafted token ÷ target ms per baseline token; v = verify ms per step ÷ the same.
+    `ideal_speedup` takes a verify pass as one target token; `predicted_speedup` uses the measured v."""
+    drafted = sum(r["n_drafted"] for r in spec)
+    steps = sum(r["n_steps"] for r in spec)
+    alpha = _ratio(sum(r["n_accepted"] for r in spec), drafted)
+    draft_tok = _ratio(sum(r["draft_ms"] for r in spec), drafted)
+    verify_step = _ratio(sum(r["verify_ms"] for r in spec), steps)
+    base_tok = _median([_ratio(r["gen_ms"], r["n_generated"]) for r in base])
+    c, v = _ratio(draft_tok, base_tok), _ratio(verify_step, base_tok)
+    known = alpha is not None and c is not None and draft_max
+    return {
+        "alpha": alpha, "draft_ms_per_token": draft_tok, "verify_ms_per_step": verify_step,
+        "baseline_ms_per_token": base_tok, "cost_ratio": c, "verify_cost": v,
+        "ideal_speedup": ideal_speedup(alpha, draft_max, c) if known else None,
+        "predicted_speedup": (expected_tokens_per_pass(alpha, draft_max) / (draft_max * c + v))
+        if known and v is not None else None,
+    }
+
+
+def acceptance_histogram(spec: list[dict]) -> tuple[list[int], list[float]]:
+    """Summed accepted_per_pos (steps accepting ≥ i+1 draft tokens) and its share of all steps."""
+    width = max((len(r["accepted_per_pos"]) for r in spec), default=0)
+    counts = [sum(r["accepted_per_pos"][i] for r in spec if i < len(r["accepted_per_pos"])) for i in range(width)]
+    steps = sum(r["n_steps"] for r in spec)
+    return counts, [c / steps for c in counts] if steps else []
+
+
+def summarize(runs: list[dict], temp: float, draft_max: int | None = None, p_min: float | None = None) -> dict:
     base = [r for r in runs if r["mode"] == "baseline"]
     spec = [r for r in runs if r["mode"] == "speculative"]
     b_tps = _median([r["tokens_per_s"] for r in base])
@@ -72,14 +139,34 @@ def summarize(runs: list[dict], temp: float) -> dict:
     if temp == 0 and base and spec:
         ref = {r["prompt_index"]: r["tokens"] for r in base}
         identical = all(r["tokens"] == ref.get(r["prompt_index"]) for r in spec)
-    return {
+    b_lo, b_hi = _span([r["tokens_per_s"] for r in base])
+    s_lo, s_hi = _span([r["tokens_per_s"] for r in spec])
+    counts, shares = acceptance_histogram(spec)
+    out = {
         "baseline_tokens_per_s": b_tps,
         "speculative_tokens_per_s": s_tps,
         "speedup": (s_tps / b_tps) if (b_tps and s_tps) else None,
         "accept_rate": _median([r["accept_rate"] for r in spec]),
         "mean_accepted_per_step": _median([r["mean_accepted_per_step"] for r in spec]),
         "identical_output": identical,
+        "draft_max": draft_max, "p_min": p_min,
+        "baseline_tokens_per_s_min": b_lo, "baseline_tokens_per_s_max": b_hi,
+        "speculative_tokens_per_s_min": s_lo, "speculative_tokens_per_s_max": s_hi,
+        "accepted_per_pos": counts, "accept_at_pos": shares,
     }
+    out.update(cost_model(base, spec, draft_max) if spec else {})
+    return out
+
+
+def recommend(sweep: list[dict]) -> dict | None:
+    """The sweep point with the highest median speculative tokens/s."""
+    pts = [p for p in sweep if p["summary"]["speculative_tokens_per_s"] is not None]
+    if not pts:
+        return None
+    best = max(pts, key=lambda p: p["summary"]["speculative_tokens_per_s"])
+    s = best["summary"]
+    return {"draft_max": best["draft_max"], "p_min": best["p_min"],
+            "speculative_tokens_per_s": s["speculative_tokens_per_s"], "speedup": s["speedup"]}
 
 
 def settings_record(cfg: BenchConfig, threads: int, ngl: int, ngl_draft: int) -> dict:
@@ -95,33 +182,79 @@ def model_record(engine: Engine, which: str) -> dict:
     return {"path": info.path, "size_bytes": info.size_bytes, "n_params": info.n_params}
 
 
-def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None) -> dict:
-    """Run baseline and speculative alternately for each prompt and repeat; return the JSON document."""
+def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
+              engine_factory: Callable[..., Engine] | None = None) -> dict:
+    """Run baseline and speculative (each sweep point) alternately per prompt and repeat; return the JSON document."""
     cfg.settings.validate()
+    points = cfg.points()
+    point_settings = [replace(cfg.settings, draft_max=k, p_min=p, draft_min=min(cfg.settings.draft_min, k)).validate()
+                      for k, p in points]
     ngl = default_ngl() if cfg.ngl is None else cfg.ngl
     ngl_draft = default_ngl() if cfg.ngl_draft is None else cfg.ngl_draft
-    with Engine(cfg.target, cfg.draft, ctx=cfg.ctx, threads=cfg.threads, ngl=ngl, ngl_draft=ngl_draft) as eng:
+    factory = engine_factory or Engine
+    with factory(cfg.target, cfg.draft, ctx=cfg.ctx, threads=cfg.threads, ngl=ngl, ngl_draft=ngl_draft) as eng:
         prompts = [eng.tokenize(p) for p in cfg.prompts]
-        modes = (["baseline"] if cfg.baseline else []) + (["speculative"] if cfg.draft else [])
+        names = list(cfg.prompt_names) or [None] * len(prompts)
+        plan = ([("baseline", cfg.settings)] if cfg.baseline else []) + \
+            ([("speculative", s) for s in point_settings] if cfg.draft else [])
         session = eng.session()
         runs = []
         for rep in range(cfg.repeat):
             for pi, toks in enumerate(prompts):
-                for mode in modes:
+                for mode, settings in plan:
                     session.reset()
-                    gen = session.generate(toks, cfg.settings, speculative=(mode == "speculative")).run()
-                    row = run_record(mode, pi, rep, gen)
+                    gen = session.generate(toks, settings, speculative=(mode == "speculative")).run()
+                    row = run_record(mode, pi, rep, gen, settings, names[pi])
                     runs.append(row)
                     log.debug("%s prompt %d repeat %d: %.1f tok/s", mode, pi, rep, row["tokens_per_s"])
                     if on_run:
                         on_run(row)
+        base = [r for r in runs if r["mode"] == "baseline"]
+        sweep = [{"draft_max": k, "p_min": p,
+                  "summary": summarize(base + [r for r in runs if r["mode"] == "speculative"
+                                               and (r["draft_max"], r["p_min"]) == (k, p)], cfg.settings.temp, k, p)}
+                 for k, p in points]
+        best = recommend(sweep) if cfg.sweep else None
+        main = next((pt for pt in sweep if best and (pt["draft_max"], pt["p_min"]) == (best["draft_max"], best["p_min"])),
+                    sweep[0])
         doc = {
             "specq_version": __version__,
             "llama_cpp_python_version": _ffi.llama_cpp_python_version(),
             "target": model_record(eng, "target"),
             "draft": model_record(eng, "draft") if cfg.draft else None,
             "settings": settings_record(cfg, eng.threads, ngl, ngl_draft),
+            "prompts": [{"index": i, "name": names[i], "n_tokens": len(t)} for i, t in enumerate(prompts)],
             "runs": runs,
-            "summary": summarize(runs, cfg.settings.temp),
+            # Without a sweep: the one point. With one: the recommended point; every point is in `sweep`.
+            "summary": main["summary"],
         }
+        if cfg.sweep:
+            doc["sweep"] = sweep
+            doc["recommendation"] = best
     return doc
+
+
+CSV_COLUMNS = ("mode", "prompt_index", "prompt_name", "repeat", "draft_max", "p_min", "n_prompt", "n_generated",
+               "tokens_per_s", "prompt_ms", "gen_ms", "n_steps", "n_drafted", "n_accepted", "accept_rate",
+               "mean_accepted_per_step", "draft_ms", "verify_ms", "decode_ms", "stop_reason")
+
+
+def write_csv(doc: dict, path) -> None:
+    """One row per run (baseline rows leave the speculative columns empty); written atomically."""
+    import csv
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise UsageError(f"folder not found ({path.parent}); create it first or pick another --csv path")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(CSV_COLUMNS)
+            for r in doc["runs"]:
+                w.writerow(["" if r.get(c) is None else r.get(c) for c in CSV_COLUMNS])
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
