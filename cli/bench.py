@@ -48,6 +48,27 @@ def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[s
     return tuple(out)
 
 
+PAIR_SETTINGS = ("draft_max", "draft_min", "p_min")  # what a pair manifest may suggest
+
+
+def resolve_pair(pair: Path | None, target: Path | None, draft: Path | None, click_ctx) -> tuple:
+    """--pair DIR → (target, draft, suggested settings not overridden on the command line);
+    the manifest's [tuned] (from `specq tune --write`) wins over its [settings]."""
+    if pair is None:
+        return target, draft, {}
+    if target is not None or draft is not None:
+        raise UsageError("give --pair or --target/--draft, not both")
+    from ..convert.manifest import load_pair
+
+    # Hashing multi-GB files on every start is slow; llama.cpp's loader still refuses truncated files.
+    p = load_pair(pair, verify=False)
+    suggested = {**p.settings, **(p.manifest.get("tuned") or {})}
+    # typer may vendor its own click, so compare the source by name
+    keep = {k: suggested[k] for k in PAIR_SETTINGS if k in suggested
+            and getattr(click_ctx.get_parameter_source(k), "name", "") != "COMMANDLINE"}
+    return p.target_path, p.draft_path, keep
+
+
 def _fmt(v, spec: str = ".1f", none: str = "–") -> str:
     return none if v is None else format(v, spec)
 
@@ -186,6 +207,8 @@ def _progress(total: int, enabled: bool):
 
 @handle_errors
 def main(
+    click_ctx: typer.Context,
+    pair: Annotated[Optional[Path], typer.Option(help="A pair folder from `specq convert` (its specq-pair.toml).")] = None,
     target: Annotated[Optional[Path], typer.Option(help="Target GGUF (default: the built-in demo pair).")] = None,
     draft: Annotated[Optional[Path], typer.Option(help="Draft GGUF, vocabulary-compatible with the target.")] = None,
     prompt: Annotated[Optional[list[str]], typer.Option(help="Prompt text (repeatable); raw, special tokens parsed.")] = None,
@@ -217,6 +240,9 @@ def main(
     quiet: Quiet = False,
 ) -> None:
     setup_logging(verbose, quiet)
+    target, draft, suggested = resolve_pair(pair, target, draft, click_ctx)
+    draft_max, draft_min, p_min = (suggested.get("draft_max", draft_max), suggested.get("draft_min", draft_min),
+                                   suggested.get("p_min", p_min))
     settings = GenerationSettings(n_predict=n_predict, draft_max=draft_max, draft_min=draft_min, p_min=p_min,
                                   temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed).validate()
     if repeat < 1:

@@ -21,6 +21,7 @@ from ..native.chat import HELP, AnswerProgress, ChatSession, Command, apply_sett
 from ..native.demo import demo_pair
 from ..native.engine import GenerationSettings
 from ._common import Quiet, Verbose, handle_errors, setup_logging
+from .bench import resolve_pair
 from .chat_view import StreamBuffer, build_panel, stats_table
 
 REFRESH_S = 1 / 15  # the panel redraws at most this often; the tokens themselves are printed as they come
@@ -185,6 +186,8 @@ def piped(chat: ChatSession, lines: TextIO, stdout: TextIO, stderr: Console) -> 
 
 @handle_errors
 def main(
+    click_ctx: typer.Context,
+    pair: Annotated[Optional[Path], typer.Option(help="A pair folder from `specq convert` (its specq-pair.toml).")] = None,
     target: Annotated[Optional[Path], typer.Option(help="Target GGUF (default: the built-in demo pair).")] = None,
     draft: Annotated[Optional[Path], typer.Option(help="Draft GGUF; without it the target runs alone.")] = None,
     system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
@@ -209,6 +212,9 @@ def main(
     quiet: Quiet = False,
 ) -> None:
     setup_logging(verbose, quiet)
+    target, draft, suggested = resolve_pair(pair, target, draft, click_ctx)
+    draft_max, draft_min, p_min = (suggested.get("draft_max", draft_max), suggested.get("draft_min", draft_min),
+                                   suggested.get("p_min", p_min))
     settings = GenerationSettings(n_predict=n_predict, draft_max=draft_max, draft_min=draft_min, p_min=p_min,
                                   temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed).validate()
     if threads is not None and threads < 1:

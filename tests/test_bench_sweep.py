@@ -196,3 +196,26 @@ def test_sweep_on_tiny_models_with_prompt_set_csv_and_plot(tiny_target, tiny_clo
     assert len(list(csv.reader(table.open()))) == 1 + len(doc["runs"]) == 1 + 5 * 5
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "recommended for this pair and prompts" in r.stdout
+
+
+def test_pair_folder_gives_models_and_suggested_settings(tiny_target, tiny_close, tmp_path):
+    import shutil
+
+    from specq.convert.manifest import write_manifest
+
+    shutil.copy(tiny_target, tmp_path / "t.gguf")
+    shutil.copy(tiny_close, tmp_path / "d.gguf")
+    write_manifest(tmp_path, {"file": "t.gguf", "sha256": "0" * 64}, {"file": "d.gguf", "sha256": "0" * 64},
+                   {"draft_max": 3, "p_min": 0.0})
+    base = ["bench", "--pair", str(tmp_path), "--threads", "1", "--ctx", "256", "--n-predict", "8", "--json", "-", "-q"]
+    r = runner.invoke(app, base)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["settings"]["draft_max"] == 3 and doc["draft"]["path"].endswith("d.gguf")
+    r = runner.invoke(app, base + ["--draft-max", "5"])  # the command line wins over the manifest
+    assert json.loads(r.stdout)["settings"]["draft_max"] == 5
+    r = runner.invoke(app, ["chat", "--pair", str(tmp_path), "--threads", "1", "--ctx", "256", "--n-predict", "4"],
+                      input="hello\n")
+    assert r.exit_code == 0 and json.loads(r.stderr.strip().splitlines()[-1])["turns"] == 1
+    r = runner.invoke(app, base + ["--target", str(tiny_target)])
+    assert r.exit_code == 2 and "not both" in r.stderr
