@@ -10,6 +10,8 @@ import typer
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
 from ..convert.pipeline import convert_pair
+from ..convert.presets import get_preset
+from ..errors import UsageError
 from ._common import Quiet, Verbose, err, handle_errors, out, setup_logging
 
 
@@ -28,12 +30,18 @@ class _Bars:
 
 @handle_errors
 def main(
-    target: Annotated[str, typer.Argument(help="Target: a Hugging Face repo id or a local checkpoint folder.")],
-    out_dir: Annotated[Path, typer.Option("--out", help="Output folder for the GGUF files and specq-pair.toml.")],
+    target: Annotated[Optional[str], typer.Argument(help="Target: a Hugging Face repo id or a local checkpoint "
+                                                         "folder (omit with --preset).")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Output folder for the GGUF files and "
+                                                                  "specq-pair.toml.")] = None,
     draft: Annotated[Optional[str], typer.Option(help="Draft: a repo id or folder with the same vocabulary.")] = None,
+    preset: Annotated[Optional[str], typer.Option(help="A known pair (see `specq presets`): its target, draft, "
+                                                       "quants and suggested settings.")] = None,
     outtype: Annotated[Optional[str], typer.Option(help="Unquantized type: f16, bf16 or f32 (default: the source dtype).")] = None,
-    quant: Annotated[str, typer.Option(help="Target quantization (Q8_0, Q6_K, Q5_K_M, Q4_K_M, ...) or none.")] = "Q4_K_M",
-    draft_quant: Annotated[str, typer.Option(help="Draft quantization, or none.")] = "Q8_0",
+    quant: Annotated[Optional[str], typer.Option(help="Target quantization (Q8_0, Q6_K, Q5_K_M, Q4_K_M, ...) or none "
+                                                      "[default: Q4_K_M, or the preset's].")] = None,
+    draft_quant: Annotated[Optional[str], typer.Option(help="Draft quantization, or none [default: Q8_0, or the "
+                                                            "preset's].")] = None,
     revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) of the target.")] = None,
     draft_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the draft.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files.")] = False,
@@ -48,8 +56,21 @@ def main(
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
-    kwargs = dict(draft=draft, outtype=outtype, quant=quant, draft_quant=draft_quant, revision=revision,
-                  draft_revision=draft_revision, force=force, keep_intermediate=keep_intermediate)
+    if out_dir is None:
+        raise UsageError("missing --out; pass the folder for the GGUF files, e.g. --out pairs/my-pair")
+    settings = None
+    if preset is not None:
+        if target is not None or draft is not None:
+            raise UsageError(f"--preset sets the target and draft ({preset}); pass either --preset or TARGET [--draft]")
+        known = get_preset(preset)
+        target, draft, settings = known.target, known.draft, known.manifest_settings()
+        quant = quant if quant is not None else known.target_quant
+        draft_quant = draft_quant if draft_quant is not None else known.draft_quant
+    elif target is None:
+        raise UsageError("missing TARGET; pass a Hub repo id or checkpoint folder, or --preset NAME (see `specq presets`)")
+    kwargs = dict(draft=draft, outtype=outtype, quant=quant if quant is not None else "Q4_K_M",
+                  draft_quant=draft_quant if draft_quant is not None else "Q8_0", revision=revision,
+                  draft_revision=draft_revision, force=force, keep_intermediate=keep_intermediate, settings=settings)
     if quiet:
         result = convert_pair(target, out_dir, **kwargs)
     else:

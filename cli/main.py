@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import __version__
-from . import bench, chat, convert, doctor, plan
+from . import bench, chat, convert, doctor, plan, presets
 
 app = typer.Typer(
     name="specq",
@@ -21,6 +21,7 @@ app.command("chat", help="Chat with speculative decoding and a live dashboard.")
 app.command("doctor", help="Show the llama.cpp build, its devices and whether the GPU is used.")(doctor.main)
 app.command("plan", help="Plan GPU layers and context for a target and draft in a VRAM budget.")(plan.main)
 app.command("convert", help="Hugging Face checkpoints to an aligned, quantized GGUF target + draft pair.")(convert.main)
+app.command("presets", help="List the known target + draft pairs for `specq convert --preset`.")(presets.main)
 
 
 def _version(value: bool) -> None:

@@ -126,11 +126,13 @@ def _manifest_entry(o: _Output) -> dict:
 def convert_pair(target: str, out_dir: str | Path, *, draft: str | None = None, outtype: str | None = None,
                  quant: str | None = "Q4_K_M", draft_quant: str | None = "Q8_0", revision: str | None = None,
                  draft_revision: str | None = None, force: bool = False, keep_intermediate: bool = False,
-                 threads: int = 0, progress: ProgressFn | None = None) -> ConvertResult:
+                 threads: int = 0, progress: ProgressFn | None = None,
+                 settings: dict | None = None) -> ConvertResult:
     """Convert TARGET (and DRAFT) to GGUF in out_dir, quantize, align the draft and write the manifest.
 
     target/draft: a local checkpoint folder or a Hub repo id. quant/draft_quant: a type name or
     None/"none" for the unquantized file. outtype: f16/bf16/f32, default the source dtype.
+    settings: suggested settings (a preset's) written into the manifest over the computed ones.
     Nothing is left behind on failure: files this call created are removed.
     """
     ot = _parse_outtype(outtype)
@@ -169,12 +171,12 @@ def convert_pair(target: str, out_dir: str | Path, *, draft: str | None = None, 
                 created.remove(o.intermediate)
         t_entry = _manifest_entry(outs[0])
         d_entry = _manifest_entry(outs[1]) if len(outs) > 1 else None
-        settings: dict = {}
+        suggested: dict = {}
         if d_entry is not None:
             c = outs[1].final.stat().st_size / outs[0].final.stat().st_size
-            settings = {"draft_max": suggest_draft_max(c), "draft_min": 0, "p_min": 0.0,
-                        "cost_ratio": round(c, 4), "assumed_accept_rate": ASSUMED_ACCEPT_RATE}
-        mpath = manifest.write_manifest(out, t_entry, d_entry, settings)
+            suggested = {"draft_max": suggest_draft_max(c), "draft_min": 0, "p_min": 0.0,
+                         "cost_ratio": round(c, 4), "assumed_accept_rate": ASSUMED_ACCEPT_RATE}
+        mpath = manifest.write_manifest(out, t_entry, d_entry, {**suggested, **(settings or {})})
     except BaseException:
         for p in created:
             with contextlib.suppress(FileNotFoundError):

@@ -1,0 +1,134 @@
+"""Known target + draft pairs: the TOML data files in `specq/models/`, checked against one schema.
+
+Presets are data, never executed: they are read with tomllib through importlib.resources, so they work the
+same from a wheel as from the source tree.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Any
+
+from ..errors import ManifestError, UsageError
+from .arch import SUPPORTED
+from .quantize import QUANT_TYPES
+from .source import _REPO_ID
+
+PACKAGE = "specq.models"
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+# key -> (python types accepted, description used in error messages)
+_NUMBER = (int, float)
+TOP_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
+    "name": ((str,), "a string"),
+    "architecture": ((str,), "a string"),
+    "target": ((str,), "a Hub repo id"),
+    "draft": ((str,), "a Hub repo id"),
+    "target_quant": ((str,), "a quant type name"),
+    "draft_quant": ((str,), "a quant type name"),
+    "context_length": ((int,), "an integer"),
+    "note": ((str,), "a string"),
+    "download_gib": (_NUMBER, "a number"),
+    "gguf_gib": (_NUMBER, "a number"),
+    "vram_gib": (_NUMBER, "a number"),
+    "settings": ((dict,), "a table"),
+}
+SETTINGS_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
+    "draft_max": ((int,), "an integer"),
+    "draft_min": ((int,), "an integer"),
+    "p_min": (_NUMBER, "a number"),
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    architecture: str
+    target: str
+    draft: str
+    target_quant: str
+    draft_quant: str
+    context_length: int
+    note: str
+    download_gib: float
+    gguf_gib: float
+    vram_gib: float
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def manifest_settings(self) -> dict[str, Any]:
+        """What `convert --preset` writes into the manifest's [settings] (bench/chat read these)."""
+        return {**self.settings, "ctx": self.context_length, "preset": self.name}
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _check_keys(doc: dict, schema: dict, where: str) -> None:
+    for key in doc:
+        if key not in schema:
+            raise ManifestError(f"unknown key in preset ({where}: {key}); the keys are {', '.join(schema)}")
+    for key, (types, what) in schema.items():
+        if key not in doc:
+            raise ManifestError(f"missing key in preset ({where}: {key}); add it as {what}")
+        v = doc[key]
+        # TOML booleans are Python ints; a boolean is never a valid count or size here.
+        if isinstance(v, bool) or not isinstance(v, types):
+            raise ManifestError(f"wrong type in preset ({where}: {key} = {v!r}); it must be {what}")
+
+
+def parse_preset(doc: dict, where: str) -> Preset:
+    """Validate one parsed preset file; `where` names it in error messages."""
+    _check_keys(doc, TOP_KEYS, where)
+    _check_keys(doc["settings"], SETTINGS_KEYS, f"{where} [settings]")
+    if not _NAME.match(doc["name"]):
+        raise ManifestError(f"preset name must be lower-case letters, digits, '.', '-' ({where}: {doc['name']!r})")
+    for key in ("target", "draft"):
+        if not _REPO_ID.match(doc[key]):
+            raise ManifestError(f"{key} is not a Hub repo id like org/name ({where}: {doc[key]!r})")
+    for key in ("target_quant", "draft_quant"):
+        if doc[key] not in QUANT_TYPES:
+            raise ManifestError(f"unknown {key} ({where}: {doc[key]!r}); choose one of {', '.join(QUANT_TYPES)}")
+    if doc["architecture"] not in SUPPORTED:
+        raise ManifestError(f"architecture the converter does not support ({where}: {doc['architecture']}); "
+                            f"specq converts {', '.join(SUPPORTED)}")
+    if "\n" in doc["note"]:
+        raise ManifestError(f"preset note must be one line ({where})")
+    s = doc["settings"]
+    if doc["context_length"] < 256 or s["draft_max"] < 1 or not 0 <= s["draft_min"] <= s["draft_max"] \
+            or not 0.0 <= s["p_min"] <= 1.0:
+        raise ManifestError(f"preset value out of range ({where}); need context_length >= 256, draft_max >= 1, "
+                            "0 <= draft_min <= draft_max, 0 <= p_min <= 1")
+    for key in ("download_gib", "gguf_gib", "vram_gib"):
+        if doc[key] <= 0:
+            raise ManifestError(f"preset size must be positive ({where}: {key} = {doc[key]})")
+    values = {k: doc[k] for k in TOP_KEYS if k != "settings"}
+    for key in ("download_gib", "gguf_gib", "vram_gib"):
+        values[key] = float(values[key])
+    return Preset(**values, settings={**s, "p_min": float(s["p_min"])})
+
+
+def load_presets() -> dict[str, Preset]:
+    """Every packaged preset by name, sorted by name; a malformed file raises ManifestError naming it."""
+    found: dict[str, Preset] = {}
+    for entry in sorted(resources.files(PACKAGE).iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".toml") or not entry.is_file():
+            continue
+        try:
+            doc = tomllib.loads(entry.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ManifestError(f"preset file is not valid TOML ({entry.name}: {e}); fix or reinstall specq")
+        p = parse_preset(doc, entry.name)
+        if p.name != entry.name[: -len(".toml")]:
+            raise ManifestError(f"preset name differs from its file name ({entry.name}: {p.name!r}); rename one")
+        found[p.name] = p
+    return found
+
+
+def get_preset(name: str) -> Preset:
+    presets = load_presets()
+    if name not in presets:
+        raise UsageError(f"unknown preset ({name}); choose one of {', '.join(presets)}")
+    return presets[name]
