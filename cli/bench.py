@@ -61,7 +61,7 @@ def resolve_pair(pair: Path | None, target: Path | None, draft: Path | None, cli
     from ..convert.manifest import load_pair
 
     # Hashing multi-GB files on every start is slow; llama.cpp's loader still refuses truncated files.
-    p = load_pair(pair, verify=False)
+    p = load_pair(pair)
     suggested = {**p.settings, **(p.manifest.get("tuned") or {})}
     # typer may vendor its own click, so compare the source by name
     keep = {k: suggested[k] for k in PAIR_SETTINGS if k in suggested

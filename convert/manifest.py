@@ -30,6 +30,32 @@ def sha256_file(path: Path, block: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
+def verified_sha256(path: Path) -> str:
+    """sha256 of a file, remembered per (path, size, mtime) so a multi-GB pair is hashed once, not per start."""
+    from ..native.demo import cache_dir
+
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    store = cache_dir() / "verified-sha256.json"
+    try:
+        known = json.loads(store.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known, dict) and isinstance(known.get(key), str):
+        return known[key]
+    digest = sha256_file(path)
+    known = known if isinstance(known, dict) else {}
+    known[key] = digest
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp = store.with_name(f".{store.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known), encoding="utf-8")
+        os.replace(tmp, store)
+    except OSError:
+        pass  # a read-only cache only costs a re-hash next time
+    return digest
+
+
 def _value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -91,7 +117,7 @@ def _model_path(d: Path, doc: dict, role: str, verify: bool) -> Path:
         want = entry.get("sha256")
         if not isinstance(want, str):
             raise ManifestError(f"manifest has no sha256 for the {role} ({d / MANIFEST_NAME}); re-run `specq convert`")
-        got = sha256_file(path)
+        got = verified_sha256(path)
         if got != want:
             raise ManifestError(f"{role} model does not match its checksum ({path}: sha256 {got[:12]}…, manifest "
                                 f"{want[:12]}…); the file was changed or is corrupt: re-run `specq convert --force`")

@@ -201,12 +201,12 @@ def test_sweep_on_tiny_models_with_prompt_set_csv_and_plot(tiny_target, tiny_clo
 def test_pair_folder_gives_models_and_suggested_settings(tiny_target, tiny_close, tmp_path):
     import shutil
 
-    from specq.convert.manifest import write_manifest
+    from specq.convert.manifest import sha256_file, write_manifest
 
     shutil.copy(tiny_target, tmp_path / "t.gguf")
     shutil.copy(tiny_close, tmp_path / "d.gguf")
-    write_manifest(tmp_path, {"file": "t.gguf", "sha256": "0" * 64}, {"file": "d.gguf", "sha256": "0" * 64},
-                   {"draft_max": 3, "p_min": 0.0})
+    write_manifest(tmp_path, {"file": "t.gguf", "sha256": sha256_file(tmp_path / "t.gguf")},
+                   {"file": "d.gguf", "sha256": sha256_file(tmp_path / "d.gguf")}, {"draft_max": 3, "p_min": 0.0})
     base = ["bench", "--pair", str(tmp_path), "--threads", "1", "--ctx", "256", "--n-predict", "8", "--json", "-", "-q"]
     r = runner.invoke(app, base)
     assert r.exit_code == 0, r.output
@@ -219,3 +219,23 @@ def test_pair_folder_gives_models_and_suggested_settings(tiny_target, tiny_close
     assert r.exit_code == 0 and json.loads(r.stderr.strip().splitlines()[-1])["turns"] == 1
     r = runner.invoke(app, base + ["--target", str(tiny_target)])
     assert r.exit_code == 2 and "not both" in r.stderr
+
+
+def test_pair_with_a_changed_file_is_refused(tiny_target, tiny_close, tmp_path, monkeypatch):
+    import shutil
+
+    from specq.convert.manifest import sha256_file, write_manifest
+
+    monkeypatch.setenv("SPECQ_CACHE_DIR", str(tmp_path / "cache"))
+    shutil.copy(tiny_target, tmp_path / "t.gguf")
+    shutil.copy(tiny_close, tmp_path / "d.gguf")
+    write_manifest(tmp_path, {"file": "t.gguf", "sha256": sha256_file(tmp_path / "t.gguf")},
+                   {"file": "d.gguf", "sha256": sha256_file(tmp_path / "d.gguf")}, {"draft_max": 3})
+    base = ["bench", "--pair", str(tmp_path), "--threads", "1", "--ctx", "256", "--n-predict", "4", "-q"]
+    assert runner.invoke(app, base).exit_code == 0  # verified once, remembered in the cache
+    data = bytearray((tmp_path / "d.gguf").read_bytes())
+    data[-1] ^= 0xFF
+    (tmp_path / "d.gguf").write_bytes(bytes(data))
+    r = runner.invoke(app, base)
+    assert r.exit_code == 1
+    assert "does not match its checksum" in r.stderr and len(r.stderr.strip().splitlines()) == 1
