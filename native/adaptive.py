@@ -26,6 +26,21 @@ class AdaptiveSnapshot:
     n_probes: int
 
 
+def best_draft_length(alphas, t_draft: float, verify_s, overhead: float = 0.0) -> tuple[int, float]:
+    """(k, tokens/s) maximising E(k)/T(k) over k = 0..len(alphas); alphas are conditional per position."""
+    best_k, best = 0, 1.0 / (verify_s(1) + overhead)
+    tokens, prod = 1.0, 1.0
+    for k, a in enumerate(alphas, start=1):
+        prod *= a
+        if prod < 1e-4:
+            break
+        tokens += prod
+        rate = tokens / (k * t_draft + verify_s(k + 1) + overhead)
+        if rate > best:
+            best_k, best = k, rate
+    return best_k, best
+
+
 class AdaptiveDraft:
     def __init__(self, cap: int, cost_ratio_prior: float = 0.2, decay: float = 0.92, prior_weight: float = 2.0,
                  probe_min: int = 8, probe_max: int = 64, probe_k: int = 2, ema: float = 0.2):
@@ -65,18 +80,7 @@ class AdaptiveDraft:
 
     def expected(self, limit: int) -> tuple[int, float]:
         """(best k ≤ limit, its expected tokens per second)."""
-        td, o = self.draft_s(), self.overhead
-        best_k, best = 0, 1.0 / (self.verify_s(1) + o)
-        tokens, prod = 1.0, 1.0
-        for k, a in enumerate(self.alphas()[:limit], start=1):
-            prod *= a
-            if prod < 1e-4:
-                break
-            tokens += prod
-            rate = tokens / (k * td + self.verify_s(k + 1) + o)
-            if rate > best:
-                best_k, best = k, rate
-        return best_k, best
+        return best_draft_length(self.alphas()[:limit], self.draft_s(), self.verify_s, self.overhead)
 
     # -- decisions ------------------------------------------------------------------------------
     def choose(self, limit: int) -> int:

@@ -1,0 +1,95 @@
+"""`specq tune`: a short calibration of a pair; prints the measurements and the settings it recommends."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ..errors import UsageError
+from ..native.demo import demo_pair
+from ..native.engine import DRAFT_MAX_CAP, Engine
+from ..native.tune import DEFAULT_PROMPTS, TuneResult, calibrate, write_tuned
+from ._common import Quiet, Verbose, err, handle_errors, out, setup_logging
+
+
+def render(result: TuneResult) -> Table:
+    t = Table(title="specq tune", title_justify="left")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    t.add_row("accept rate", "–" if result.accept_rate is None else f"{100 * result.accept_rate:.1f}%")
+    for i, a in enumerate(result.accept_by_pos, 1):
+        t.add_row(f"  acceptance at position {i}", f"{100 * a:.1f}%")
+    t.add_row("target ms / token", f"{result.target_ms:.2f}")
+    t.add_row("draft ms / token", f"{result.draft_ms:.2f}")
+    t.add_row("draft/target cost ratio", f"{result.cost_ratio:.3f}")
+    for b, v in result.verify_ms.items():
+        t.add_row(f"  verify {b} token{'s' if b > 1 else ''} (ms)", f"{v:.2f}  ({v / result.target_ms:.2f}×)")
+    return t
+
+
+def recommendation(result: TuneResult) -> str:
+    if result.recommended_draft_max == 0:
+        return ("recommended: plain decoding is faster with this pair here (use --draft-max auto, which falls "
+                "back to it, or no draft)")
+    return (f"recommended: --draft-max {result.recommended_draft_max} (or auto) · predicted speed-up "
+            f"{result.predicted_speedup:.2f}×")
+
+
+@handle_errors
+def main(
+    target: Annotated[Optional[Path], typer.Option(help="Target GGUF (default: the built-in demo pair).")] = None,
+    draft: Annotated[Optional[Path], typer.Option(help="Draft GGUF, vocabulary-compatible with the target.")] = None,
+    pair: Annotated[Optional[Path], typer.Option(help="A pair folder from `specq convert` (specq-pair.toml).")] = None,
+    n_predict: Annotated[int, typer.Option(help="Tokens generated per calibration prompt.")] = 64,
+    draft_max: Annotated[int, typer.Option(help="Draft length measured (acceptance by position up to it).")] = 8,
+    temp: Annotated[float, typer.Option(help="Temperature of the calibration runs; 0 is greedy.")] = 0.0,
+    ctx: Annotated[int, typer.Option(help="Context size (tokens).")] = 1024,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: physical cores).")] = None,
+    ngl: Annotated[int, typer.Option(help="Target layers on the GPU.")] = 0,
+    ngl_draft: Annotated[int, typer.Option(help="Draft layers on the GPU.")] = 0,
+    write: Annotated[bool, typer.Option("--write", help="Store the result as [tuned] in the pair manifest.")] = False,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the result as JSON to PATH, or - for stdout.")] = None,
+    verbose: Verbose = False,
+    quiet: Quiet = False,
+) -> None:
+    setup_logging(verbose, quiet)
+    if not 1 <= draft_max <= DRAFT_MAX_CAP:
+        raise UsageError(f"--draft-max must be between 1 and {DRAFT_MAX_CAP} ({draft_max})")
+    if n_predict < 2:
+        raise UsageError(f"--n-predict must be at least 2 ({n_predict})")
+    if write and pair is None:
+        raise UsageError("--write needs --pair: the result is stored in the pair's manifest")
+    if pair is not None:
+        if target or draft:
+            raise UsageError("give --pair or --target/--draft, not both")
+        from ..convert.manifest import load_pair
+
+        p = load_pair(pair)
+        target, draft = p.target_path, p.draft_path
+    elif target is None:
+        if draft is not None:
+            raise UsageError("--draft needs --target; omit both for the demo pair")
+        target, draft = demo_pair()
+    if draft is None:
+        raise UsageError("tune needs a draft model; pass --draft (or a --pair with a draft)")
+    with Engine(target, draft, ctx=ctx, threads=threads, ngl=ngl, ngl_draft=ngl_draft) as eng:
+        result = calibrate(eng, DEFAULT_PROMPTS, n_predict=n_predict, draft_max=draft_max, temp=temp)
+    if write:
+        path = write_tuned(pair, result)
+        if not quiet:
+            err.print(f"wrote [tuned] to {path}")
+    doc = json.dumps(result.to_dict(), indent=2)
+    if json_out == "-":
+        sys.stdout.write(doc + "\n")
+    elif json_out:
+        Path(json_out).write_text(doc + "\n", encoding="utf-8")
+    console = err if json_out == "-" else out
+    if not quiet:
+        console.print(render(result))
+    if json_out != "-":
+        console.print(recommendation(result))
