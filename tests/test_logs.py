@@ -24,7 +24,7 @@ LLAMA_MARKERS = ("llama_model_loader", "llama_context", "load_tensors", "print_i
 
 def specq(*args, stdin: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run the installed CLI; bench/chat get --threads 1 (OpenMP threads spin badly on a shared 2-core box)."""
-    if args and args[0] in ("bench", "chat"):
+    if args and args[0] in ("bench", "chat", "tune"):
         args = (*args, "--threads", 1)
     env = dict(os.environ, COLUMNS="120", HF_HUB_OFFLINE="1")
     return subprocess.run([SPECQ, *map(str, args)], input=stdin, capture_output=True, text=True, timeout=120,
@@ -94,6 +94,12 @@ def test_convert_quiet_prints_only_results(checkpoints, tmp_path):
     assert [line.split(":")[0] for line in r.stdout.splitlines()] == ["target", "pair"]
 
 
+def test_tune_is_quiet(tiny_target, tiny_close):
+    r = specq("tune", "--target", tiny_target, "--draft", tiny_close, "--n-predict", 8)
+    assert r.returncode == 0, r.stderr
+    assert "recommended" in r.stdout + r.stderr and leaked(r) == []
+
+
 @pytest.mark.parametrize("args", [["doctor"], ["doctor", "--json"], ["presets"]])
 def test_doctor_and_presets_are_quiet(args):
     r = specq(*args)
@@ -123,6 +129,11 @@ def test_bench_with_an_incompatible_draft_fails_in_one_line(tiny_target, tiny_in
     r = specq("bench", "--target", tiny_target, "--draft", tiny_incompatible, "--n-predict", 4)
     assert r.returncode == 1
     one_error_line(r)
+
+
+def test_tune_on_a_truncated_model_fails_in_one_line(truncated, tiny_close):
+    r = specq("tune", "--target", truncated, "--draft", tiny_close, "--n-predict", 4)
+    assert r.returncode == 1 and "could not load the model" in one_error_line(r)
 
 
 def test_convert_of_a_missing_folder_fails_in_one_line(tmp_path):
@@ -168,3 +179,14 @@ def test_verbose_failure_shows_why_llama_failed(truncated):
     assert r.returncode == 1
     assert "llama_model_load" in r.stderr or "llama_model_loader" in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("specq: error: ")
+
+
+def test_every_command_takes_verbose_and_quiet():
+    import typer
+
+    from specq.cli.main import app
+
+    group = typer.main.get_command(app)
+    for name, cmd in group.commands.items():
+        opts = {o for p in cmd.params for o in p.opts}
+        assert {"-v", "--verbose", "-q", "--quiet"} <= opts, name
