@@ -39,9 +39,9 @@ def main(
                                                        "quants and suggested settings.")] = None,
     outtype: Annotated[Optional[str], typer.Option(help="Unquantized type: f16, bf16 or f32 (default: the source dtype).")] = None,
     quant: Annotated[Optional[str], typer.Option(help="Target quantization (Q8_0, Q6_K, Q5_K_M, Q4_K_M, ...) or none "
-                                                      "[default: Q4_K_M, or the preset's].")] = None,
-    draft_quant: Annotated[Optional[str], typer.Option(help="Draft quantization, or none [default: Q8_0, or the "
-                                                            "preset's].")] = None,
+                                                      "(default: Q4_K_M, or the preset's).")] = None,
+    draft_quant: Annotated[Optional[str], typer.Option(help="Draft quantization, or none (default: Q8_0, or "
+                                                            "the preset's).")] = None,
     revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit) of the target.")] = None,
     draft_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the draft.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files.")] = False,
