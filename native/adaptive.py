@@ -43,7 +43,8 @@ def best_draft_length(alphas, t_draft: float, verify_s, overhead: float = 0.0) -
 
 class AdaptiveDraft:
     def __init__(self, cap: int, cost_ratio_prior: float = 0.2, decay: float = 0.92, prior_weight: float = 2.0,
-                 probe_min: int = 8, probe_max: int = 64, probe_k: int = 2, ema: float = 0.2):
+                 probe_min: int = 16, probe_max: int = 64, probe_k: int = 1, ema: float = 0.2,
+                 probe_budget: float = 0.02):
         self.cap = cap
         self.decay = decay
         self.w = prior_weight
@@ -56,6 +57,8 @@ class AdaptiveDraft:
         self.ema = ema
         self.probe_min, self.probe_max, self.probe_k = probe_min, probe_max, probe_k
         self.probe_interval = probe_min
+        self.probe_budget = probe_budget  # probes may cost at most this share of plain decoding time
+        self._probing = False
         self.plain_streak = 0
         self.n_plain_steps = 0
         self.n_probes = 0
@@ -93,17 +96,31 @@ class AdaptiveDraft:
             self.probe_interval = self.probe_min
             return k
         self.plain_streak += 1
-        if self.plain_streak > self.probe_interval:
+        if self.plain_streak > self.probe_interval and self._could_pay(min(limit, self.cap)):
             self.plain_streak = 0
             self.probe_interval = min(2 * self.probe_interval, self.probe_max)
             self.n_probes += 1
+            self._probing = True
             return min(self.probe_k, limit, self.cap)
         self.n_plain_steps += 1
         return 0
 
+    def _could_pay(self, limit: int) -> bool:
+        """Whether drafting could beat plain decoding even at perfect acceptance, with the measured costs."""
+        return best_draft_length([1.0] * limit, self.draft_s(), self.verify_s, self.overhead)[0] > 0
+
     def observe(self, n_drafted: int, n_accepted: int, draft_token_s: float | None, verify_s: float,
-                overhead_s: float) -> None:
-        """Record one step: `draft_token_s` is the measured seconds per drafted token (None: not measured)."""
+                overhead_s: float, draft_s: float | None = None) -> None:
+        """Record one step: `draft_token_s` is the measured seconds per drafted token (None: not measured);
+        `draft_s` the step's whole drafting time (with the draft's catch-up after plain steps)."""
+        if self._probing:
+            # A probe after a plain stretch also pays the draft's catch-up: space probes so that their
+            # extra cost stays within probe_budget of plain decoding.
+            self._probing = False
+            plain = self.verify_s(1) + self.overhead
+            extra = ((draft_s or 0.0) + verify_s + overhead_s) / plain - 1.0 - n_accepted
+            if extra > 0:
+                self.probe_interval = max(self.probe_interval, int(extra / self.probe_budget))
         if n_drafted:
             d = self.decay
             self.succ = [x * d for x in self.succ]

@@ -505,7 +505,7 @@ class Generation:
                 ses._rewind()
                 if ctrl is not None:
                     ctrl.observe(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
-                                 time.perf_counter() - t_step - step.draft_s - step.verify_s)
+                                 time.perf_counter() - t_step - step.draft_s - step.verify_s, step.draft_s)
                 yield from events
                 if done:
                     stop = done
