@@ -78,7 +78,30 @@ def check_gguf_file(path: str | os.PathLike) -> Path:
     return p
 
 
-class Model:
+class _Handle:
+    """Deterministic lifetime for one C handle: close(), a context manager, and close on garbage collection."""
+
+    _h = None
+
+    def _free(self, handle) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._h is not None:
+            h, self._h = self._h, None
+            self._free(h)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+
+class Model(_Handle):
     """A loaded GGUF model (weights and vocabulary)."""
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, vocab_only: bool = False,
@@ -112,19 +135,8 @@ class Model:
             raise SpecqError("model is closed")
         return self._h
 
-    def close(self) -> None:
-        if getattr(self, "_h", None) is not None:
-            C.llama_model_free(self._h)
-            self._h = None
-
-    def __enter__(self) -> "Model":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        self.close()
+    def _free(self, handle) -> None:
+        C.llama_model_free(handle)
 
     # -- metadata ---------------------------------------------------------------------------
     @property
@@ -218,7 +230,7 @@ class Model:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
 
-class Context:
+class Context(_Handle):
     """A llama.cpp context (the KV cache / recurrent state of one sequence) over a Model."""
 
     def __init__(self, model: Model, n_ctx: int, n_threads: int, n_batch: int = 512,
@@ -263,20 +275,9 @@ class Context:
             raise SpecqError(f"{self.name} context is closed")
         return self._h
 
-    def close(self) -> None:
-        if getattr(self, "_h", None) is not None:
-            C.llama_batch_free(self._batch)
-            C.llama_free(self._h)
-            self._h = None
-
-    def __enter__(self) -> "Context":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        self.close()
+    def _free(self, handle) -> None:
+        C.llama_batch_free(self._batch)
+        C.llama_free(handle)
 
     def decode(self, tokens, pos0: int, logits: str = "last") -> None:
         """Evaluate `tokens` at positions pos0.. ; logits: "last", "all" or "none".
@@ -355,24 +356,33 @@ class Context:
             raise LlamaCallError("llama_state_seq_set_data_ext", 0, f"{self.name}: {len(data)} bytes not restored")
 
 
-class Sampler:
+def _new_chain():
+    sp = C.llama_sampler_chain_default_params()
+    sp.no_perf = True
+    return C.llama_sampler_chain_init(sp)
+
+
+def _add_transform(chain, temp: float, top_k: int, top_p: float, min_p: float) -> None:
+    """top-k → top-p → min-p → temp: the transform both models' distributions go through."""
+    if top_k > 0:
+        C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_k(int(top_k)))
+    if top_p < 1.0:
+        C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_p(float(top_p), 1))
+    if min_p > 0.0:
+        C.llama_sampler_chain_add(chain, C.llama_sampler_init_min_p(float(min_p), 1))
+    C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(float(temp)))
+
+
+class Sampler(_Handle):
     """llama.cpp's sampler chain for one model: greedy at temp 0, else top-k → top-p → min-p → temp → dist."""
 
     def __init__(self, temp: float, top_k: int, top_p: float, min_p: float, seed: int):
         self.greedy = temp <= 0
-        sp = C.llama_sampler_chain_default_params()
-        sp.no_perf = True
-        chain = C.llama_sampler_chain_init(sp)
+        chain = _new_chain()
         if self.greedy:
             C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
         else:
-            if top_k > 0:
-                C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_k(int(top_k)))
-            if top_p < 1.0:
-                C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_p(float(top_p), 1))
-            if min_p > 0.0:
-                C.llama_sampler_chain_add(chain, C.llama_sampler_init_min_p(float(min_p), 1))
-            C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(float(temp)))
+            _add_transform(chain, temp, top_k, top_p, min_p)
             C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(int(seed) & 0xFFFFFFFF))
         self._h = chain
 
@@ -380,13 +390,8 @@ class Sampler:
         """Sample (and accept) a token from output row `idx` of ctx's last decode."""
         return int(C.llama_sampler_sample(self._h, ctx.handle, idx))
 
-    def close(self) -> None:
-        if getattr(self, "_h", None) is not None:
-            C.llama_sampler_free(self._h)
-            self._h = None
-
-    def __del__(self):
-        self.close()
+    def _free(self, handle) -> None:
+        C.llama_sampler_free(handle)
 
 
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: int, n_threads: int = 0,
@@ -520,22 +525,14 @@ _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 assert _TOKEN_DATA.itemsize == ctypes.sizeof(C.llama_token_data)
 
 
-class TransformChain:
+class TransformChain(_Handle):
     """top-k → top-p → min-p → temp (as Sampler, minus dist); `apply` returns the kept ids and scaled logits."""
 
     def __init__(self, temp: float, top_k: int, top_p: float, min_p: float):
         if temp <= 0:
             raise SpecqError(f"the sampling transform needs a temperature > 0 ({temp})")
-        sp = C.llama_sampler_chain_default_params()
-        sp.no_perf = True
-        chain = C.llama_sampler_chain_init(sp)
-        if top_k > 0:
-            C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_k(int(top_k)))
-        if top_p < 1.0:
-            C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_p(float(top_p), 1))
-        if min_p > 0.0:
-            C.llama_sampler_chain_add(chain, C.llama_sampler_init_min_p(float(min_p), 1))
-        C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(float(temp)))
+        chain = _new_chain()
+        _add_transform(chain, temp, top_k, top_p, min_p)
         self._h = chain
         self._buf = np.zeros(0, _TOKEN_DATA)
         self._ids = np.zeros(0, np.int32)
@@ -559,13 +556,8 @@ class TransformChain:
         k = int(arr.size)
         return buf["id"][:k].copy(), buf["logit"][:k].copy()
 
-    def close(self) -> None:
-        if getattr(self, "_h", None) is not None:
-            C.llama_sampler_free(self._h)
-            self._h = None
-
-    def __del__(self):
-        self.close()
+    def _free(self, handle) -> None:
+        C.llama_sampler_free(handle)
 
 
 def context_n_rs_seq(ctx: Context) -> int:
