@@ -6,12 +6,14 @@ import errno
 import functools
 import logging
 import sys
-from typing import Annotated, Callable
+from pathlib import Path
+from typing import Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
 
-from ..errors import SpecqError
+from ..errors import SpecqError, UsageError
+from ..native.engine import GenerationSettings
 
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log and specq's debug log.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only results.")]
@@ -70,3 +72,74 @@ def handle_errors(fn: Callable) -> Callable:
             fail(f"{e.strerror or e} ({e.filename or ''}); check the path and permissions")
 
     return wrapper
+
+
+# -- options shared by the commands that run models (bench, chat, tune) ------------------------------
+PairOpt = Annotated[Optional[Path], typer.Option("--pair", help="A pair folder from `specq convert` (its specq-pair.toml).")]
+TargetOpt = Annotated[Optional[Path], typer.Option("--target", help="Target GGUF (default: the built-in demo pair).")]
+DraftOpt = Annotated[Optional[Path], typer.Option("--draft", help="Draft GGUF, vocabulary-compatible with the target.")]
+DraftMaxOpt = Annotated[str, typer.Option("--draft-max", help="Most tokens drafted per step, or auto (adaptive, "
+                                                              "drafts nothing when drafting does not pay).")]
+DraftMinOpt = Annotated[int, typer.Option("--draft-min", help="Drafts shorter than this are dropped.")]
+PMinOpt = Annotated[float, typer.Option("--p-min", help="Stop drafting when the draft's top-1 probability is below this.")]
+TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k (temp > 0).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Top-p (temp > 0).")]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p (temp > 0).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Sampling seed.")]
+AcceptOpt = Annotated[str, typer.Option("--accept", help="Verification at temp > 0: rejection (exact rejection "
+                                                         "sampling, accepts more), match (llama.cpp's rule) or auto "
+                                                         "(= rejection). Temp 0 is greedy either way.")]
+CtxOpt = Annotated[int, typer.Option("--ctx", help="Context size (tokens) for both models.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: physical cores).")]
+NglOpt = Annotated[Optional[int], typer.Option("--ngl", help="Target layers on the GPU (default: all when a GPU "
+                                                             "is present; an explicit value wins over --vram-budget).")]
+NglDraftOpt = Annotated[Optional[int], typer.Option("--ngl-draft", help="Draft layers on the GPU (default: all "
+                                                                        "when a GPU is present).")]
+VramBudgetOpt = Annotated[Optional[str], typer.Option("--vram-budget", help="Plan GPU layers for both models within "
+                                                                            "a budget: a fraction of free memory "
+                                                                            "(0.9) or a size (22GiB, or 24GiB,24GiB).")]
+MainGpuOpt = Annotated[int, typer.Option("--main-gpu", help="The GPU for the whole model when not split.")]
+TensorSplitOpt = Annotated[Optional[str], typer.Option("--tensor-split", help="Share of layers per GPU, e.g. 3,1.")]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="ggml devices for the target, e.g. CUDA0 "
+                                                                   "(see `specq doctor`).")]
+DraftDeviceOpt = Annotated[Optional[str], typer.Option("--draft-device", help="ggml devices for the draft.")]
+
+
+def parse_draft_max(value: str | int) -> int | str:
+    """--draft-max N or auto."""
+    if isinstance(value, int) or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"--draft-max must be a number or auto ({value})")
+
+
+PAIR_SETTINGS = ("draft_max", "draft_min", "p_min", "ctx")  # what a pair manifest may suggest
+
+
+def resolve_pair(pair: Path | None, target: Path | None, draft: Path | None, click_ctx) -> tuple:
+    """--pair DIR → (target, draft, suggested settings not overridden on the command line);
+    the manifest's [tuned] (from `specq tune --write`) wins over its [settings]."""
+    if pair is None:
+        return target, draft, {}
+    if target is not None or draft is not None:
+        raise UsageError("give --pair or --target/--draft, not both")
+    from ..convert.manifest import load_pair
+
+    p = load_pair(pair)
+    suggested = {**p.settings, **(p.manifest.get("tuned") or {})}
+    # typer may vendor its own click, so compare the source by name
+    keep = {k: suggested[k] for k in PAIR_SETTINGS if k in suggested
+            and getattr(click_ctx.get_parameter_source(k), "name", "") != "COMMANDLINE"}
+    return p.target_path, p.draft_path, keep
+
+
+def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_min, temp, top_k, top_p, min_p, seed,
+                        accept) -> GenerationSettings:
+    """The generation settings from the flags, with a pair manifest's suggestions where a flag was not given."""
+    return GenerationSettings(
+        n_predict=n_predict, draft_max=parse_draft_max(suggested.get("draft_max", draft_max)),
+        draft_min=suggested.get("draft_min", draft_min), p_min=suggested.get("p_min", p_min), temp=temp,
+        top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, accept=accept).validate()

@@ -20,7 +20,11 @@ from ..native.bench import DEFAULT_PROMPT, BenchConfig, load_prompt_set, run_ben
 from ..native.bench_plot import check_plot_available, plot_sweep
 from ..native.demo import demo_pair
 from ..native.engine import GenerationSettings
-from ._common import Quiet, Verbose, err, handle_errors, setup_logging
+from ..native.placement import resolve_placement
+from ._common import (AcceptOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, DraftOpt, MainGpuOpt,
+                      MinPOpt, NglDraftOpt, NglOpt, PairOpt, PMinOpt, Quiet, SeedOpt, TargetOpt, TempOpt,
+                      TensorSplitOpt, ThreadsOpt, TopKOpt, TopPOpt, VramBudgetOpt, Verbose, err, handle_errors,
+                      resolve_pair, settings_from_flags, setup_logging)
 
 
 def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[str, ...]:
@@ -46,27 +50,6 @@ def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[s
     if not out:
         raise UsageError(f"no prompts in {prompt_file}")
     return tuple(out)
-
-
-PAIR_SETTINGS = ("draft_max", "draft_min", "p_min")  # what a pair manifest may suggest
-
-
-def resolve_pair(pair: Path | None, target: Path | None, draft: Path | None, click_ctx) -> tuple:
-    """--pair DIR → (target, draft, suggested settings not overridden on the command line);
-    the manifest's [tuned] (from `specq tune --write`) wins over its [settings]."""
-    if pair is None:
-        return target, draft, {}
-    if target is not None or draft is not None:
-        raise UsageError("give --pair or --target/--draft, not both")
-    from ..convert.manifest import load_pair
-
-    # Hashing multi-GB files on every start is slow; llama.cpp's loader still refuses truncated files.
-    p = load_pair(pair)
-    suggested = {**p.settings, **(p.manifest.get("tuned") or {})}
-    # typer may vendor its own click, so compare the source by name
-    keep = {k: suggested[k] for k in PAIR_SETTINGS if k in suggested
-            and getattr(click_ctx.get_parameter_source(k), "name", "") != "COMMANDLINE"}
-    return p.target_path, p.draft_path, keep
 
 
 def _fmt(v, spec: str = ".1f", none: str = "–") -> str:
@@ -208,24 +191,32 @@ def _progress(total: int, enabled: bool):
 @handle_errors
 def main(
     click_ctx: typer.Context,
-    pair: Annotated[Optional[Path], typer.Option(help="A pair folder from `specq convert` (its specq-pair.toml).")] = None,
-    target: Annotated[Optional[Path], typer.Option(help="Target GGUF (default: the built-in demo pair).")] = None,
-    draft: Annotated[Optional[Path], typer.Option(help="Draft GGUF, vocabulary-compatible with the target.")] = None,
+    pair: PairOpt = None,
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
     prompt: Annotated[Optional[list[str]], typer.Option(help="Prompt text (repeatable); raw, special tokens parsed.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="A prompt file (.jsonl: one {\"prompt\"} per line).")] = None,
     n_predict: Annotated[int, typer.Option(help="Tokens to generate per run.")] = 128,
-    draft_max: Annotated[int, typer.Option(help="Most tokens drafted per step.")] = 8,
-    draft_min: Annotated[int, typer.Option(help="Drafts shorter than this are dropped.")] = 0,
-    p_min: Annotated[float, typer.Option(help="Stop drafting when the draft's top-1 probability is below this.")] = 0.0,
-    temp: Annotated[float, typer.Option(help="Temperature; 0 is greedy.")] = 0.0,
-    top_k: Annotated[int, typer.Option(help="Top-k (temp > 0).")] = 40,
-    top_p: Annotated[float, typer.Option(help="Top-p (temp > 0).")] = 0.95,
-    min_p: Annotated[float, typer.Option(help="Min-p (temp > 0).")] = 0.05,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    ctx: Annotated[int, typer.Option(help="Context size (tokens) for both models.")] = 4096,
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: physical cores).")] = None,
-    ngl: Annotated[Optional[int], typer.Option(help="Target layers on the GPU (default: all when a GPU is present).")] = None,
-    ngl_draft: Annotated[Optional[int], typer.Option(help="Draft layers on the GPU (default: all when a GPU is present).")] = None,
+    draft_max: DraftMaxOpt = "8",
+    draft_min: DraftMinOpt = 0,
+    p_min: PMinOpt = 0.0,
+    temp: TempOpt = 0.0,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    seed: SeedOpt = 0,
+    accept: AcceptOpt = "auto",
+    ctx: CtxOpt = 4096,
+    threads: ThreadsOpt = None,
+    ngl: NglOpt = None,
+    ngl_draft: NglDraftOpt = None,
+    vram_budget: VramBudgetOpt = None,
+    main_gpu: MainGpuOpt = 0,
+    tensor_split: TensorSplitOpt = None,
+    device: DeviceOpt = None,
+    draft_device: DraftDeviceOpt = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt as a user turn in the target's chat "
+                                                      "template (default: raw text, as llama.cpp's -p).")] = False,
     repeat: Annotated[int, typer.Option(help="Repeats per prompt (medians are reported).")] = 1,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the target-alone runs.")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the results as JSON to PATH, or - for stdout.")] = None,
@@ -241,10 +232,10 @@ def main(
 ) -> None:
     setup_logging(verbose, quiet)
     target, draft, suggested = resolve_pair(pair, target, draft, click_ctx)
-    draft_max, draft_min, p_min = (suggested.get("draft_max", draft_max), suggested.get("draft_min", draft_min),
-                                   suggested.get("p_min", p_min))
-    settings = GenerationSettings(n_predict=n_predict, draft_max=draft_max, draft_min=draft_min, p_min=p_min,
-                                  temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed).validate()
+    ctx = suggested.get("ctx", ctx)
+    settings = settings_from_flags(suggested, n_predict=n_predict, draft_max=draft_max, draft_min=draft_min,
+                                   p_min=p_min, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                   accept=accept)
     if repeat < 1:
         raise UsageError(f"--repeat must be at least 1 ({repeat})")
     if threads is not None and threads < 1:
@@ -267,9 +258,15 @@ def main(
         raise UsageError("--no-baseline needs a --draft: there would be nothing to run")
     if sweep and draft is None:
         raise UsageError("a sweep needs a --draft: there is nothing to sweep without one")
+    placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
+                                  vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
+                                  device=device, draft_device=draft_device)
     cfg = BenchConfig(target=str(target), draft=str(draft) if draft else None, prompts=prompts, settings=settings,
-                      ctx=ctx, threads=threads, ngl=ngl, ngl_draft=ngl_draft, repeat=repeat, baseline=not no_baseline,
+                      ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft, repeat=repeat,
+                      baseline=not no_baseline, chat=chat, engine_options=placement.engine_options(),
                       extra_settings={"prompt_file": str(prompt_file) if prompt_file else None,
+                                      "vram_budget": vram_budget, "main_gpu": main_gpu,
+                                      "tensor_split": tensor_split, "device": device, "draft_device": draft_device,
                                       "prompt_set": prompt_set, "sweep_draft_max": ks if sweep_draft_max else None,
                                       "sweep_p_min": pmins if sweep_p_min else None},
                       sweep=sweep, prompt_names=names)

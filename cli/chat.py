@@ -15,13 +15,14 @@ from rich.console import Console, Group
 from rich.live import Live
 
 from ..errors import ContextFullError, UsageError
-from ..native.bench import default_ngl
 from ..native.chat import HELP, AnswerProgress, ChatSession, Command, apply_setting, open_chat, panel_data, \
     parse_command
 from ..native.demo import demo_pair
-from ..native.engine import GenerationSettings
-from ._common import Quiet, Verbose, handle_errors, setup_logging
-from .bench import resolve_pair
+from ..native.placement import resolve_placement
+from ._common import (AcceptOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, MainGpuOpt, MinPOpt,
+                      NglDraftOpt, NglOpt, PairOpt, PMinOpt, Quiet, SeedOpt, TargetOpt, TempOpt, TensorSplitOpt,
+                      ThreadsOpt, TopKOpt, TopPOpt, VramBudgetOpt, Verbose, handle_errors, resolve_pair,
+                      settings_from_flags, setup_logging)
 from .chat_view import StreamBuffer, build_panel, stats_table
 
 REFRESH_S = 1 / 15  # the panel redraws at most this often; the tokens themselves are printed as they come
@@ -101,6 +102,7 @@ def stream_answer(chat: ChatSession, text: str, console: Console, color: bool, p
                 if stop.requested:
                     break
                 if now - last >= REFRESH_S:
+                    prog.live = answer.snapshot()
                     live.update(view(now), refresh=True)
                     last = now
         except KeyboardInterrupt:
@@ -187,46 +189,54 @@ def piped(chat: ChatSession, lines: TextIO, stdout: TextIO, stderr: Console) -> 
 @handle_errors
 def main(
     click_ctx: typer.Context,
-    pair: Annotated[Optional[Path], typer.Option(help="A pair folder from `specq convert` (its specq-pair.toml).")] = None,
-    target: Annotated[Optional[Path], typer.Option(help="Target GGUF (default: the built-in demo pair).")] = None,
+    pair: PairOpt = None,
+    target: TargetOpt = None,
     draft: Annotated[Optional[Path], typer.Option(help="Draft GGUF; without it the target runs alone.")] = None,
     system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
     template: Annotated[Optional[str], typer.Option(help="Chat template (a Jinja file or text) when the model "
                                                           "has none or to override its own.")] = None,
     n_predict: Annotated[Optional[int], typer.Option(help="Most tokens per answer (default: until the end of "
                                                            "generation or a full context).")] = None,
-    draft_max: Annotated[int, typer.Option(help="Most tokens drafted per step.")] = 8,
-    draft_min: Annotated[int, typer.Option(help="Drafts shorter than this are dropped.")] = 0,
-    p_min: Annotated[float, typer.Option(help="Stop drafting when the draft's top-1 probability is below this.")] = 0.0,
-    temp: Annotated[float, typer.Option(help="Temperature; 0 is greedy.")] = 0.0,
-    top_k: Annotated[int, typer.Option(help="Top-k (temp > 0).")] = 40,
-    top_p: Annotated[float, typer.Option(help="Top-p (temp > 0).")] = 0.95,
-    min_p: Annotated[float, typer.Option(help="Min-p (temp > 0).")] = 0.05,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    ctx: Annotated[int, typer.Option(help="Context size (tokens) for both models.")] = 4096,
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: physical cores).")] = None,
-    ngl: Annotated[Optional[int], typer.Option(help="Target layers on the GPU (default: all when a GPU is present).")] = None,
-    ngl_draft: Annotated[Optional[int], typer.Option(help="Draft layers on the GPU (default: all when a GPU is present).")] = None,
+    draft_max: DraftMaxOpt = "8",
+    draft_min: DraftMinOpt = 0,
+    p_min: PMinOpt = 0.0,
+    temp: TempOpt = 0.0,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    seed: SeedOpt = 0,
+    accept: AcceptOpt = "auto",
+    ctx: CtxOpt = 4096,
+    threads: ThreadsOpt = None,
+    ngl: NglOpt = None,
+    ngl_draft: NglDraftOpt = None,
+    vram_budget: VramBudgetOpt = None,
+    main_gpu: MainGpuOpt = 0,
+    tensor_split: TensorSplitOpt = None,
+    device: DeviceOpt = None,
+    draft_device: DraftDeviceOpt = None,
     no_color: Annotated[bool, typer.Option("--no-color", help="No colours (draft and target tokens look alike).")] = False,
     verbose: Verbose = False,
     quiet: Quiet = False,
 ) -> None:
     setup_logging(verbose, quiet)
     target, draft, suggested = resolve_pair(pair, target, draft, click_ctx)
-    draft_max, draft_min, p_min = (suggested.get("draft_max", draft_max), suggested.get("draft_min", draft_min),
-                                   suggested.get("p_min", p_min))
-    settings = GenerationSettings(n_predict=n_predict, draft_max=draft_max, draft_min=draft_min, p_min=p_min,
-                                  temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed).validate()
+    ctx = suggested.get("ctx", ctx)
+    settings = settings_from_flags(suggested, n_predict=n_predict, draft_max=draft_max, draft_min=draft_min,
+                                   p_min=p_min, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                   accept=accept)
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1 ({threads})")
     if target is None:
         if draft is not None:
             raise UsageError("--draft needs --target; omit both for the demo pair")
         target, draft = demo_pair()
+    placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
+                                  vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
+                                  device=device, draft_device=draft_device)
     chat = open_chat(str(target), str(draft) if draft else None, template=template, settings=settings,
-                     system=system, ctx=ctx, threads=threads,
-                     ngl=default_ngl() if ngl is None else ngl,
-                     ngl_draft=default_ngl() if ngl_draft is None else ngl_draft)
+                     system=system, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
+                     **placement.engine_options())
     final = None
     try:
         if sys.stdin.isatty():

@@ -14,7 +14,9 @@ from ..errors import UsageError
 from ..native.demo import demo_pair
 from ..native.engine import DRAFT_MAX_CAP, Engine
 from ..native.tune import DEFAULT_PROMPTS, TuneResult, calibrate, write_tuned
-from ._common import Quiet, Verbose, err, handle_errors, out, setup_logging
+from ..native.placement import resolve_placement
+from ._common import (DeviceOpt, DraftDeviceOpt, DraftOpt, MainGpuOpt, NglDraftOpt, NglOpt, PairOpt, Quiet, TargetOpt,
+                      TensorSplitOpt, ThreadsOpt, VramBudgetOpt, Verbose, err, handle_errors, out, setup_logging)
 
 
 def render(result: TuneResult) -> Table:
@@ -42,16 +44,21 @@ def recommendation(result: TuneResult) -> str:
 
 @handle_errors
 def main(
-    target: Annotated[Optional[Path], typer.Option(help="Target GGUF (default: the built-in demo pair).")] = None,
-    draft: Annotated[Optional[Path], typer.Option(help="Draft GGUF, vocabulary-compatible with the target.")] = None,
-    pair: Annotated[Optional[Path], typer.Option(help="A pair folder from `specq convert` (specq-pair.toml).")] = None,
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    pair: PairOpt = None,
     n_predict: Annotated[int, typer.Option(help="Tokens generated per calibration prompt.")] = 64,
     draft_max: Annotated[int, typer.Option(help="Draft length measured (acceptance by position up to it).")] = 8,
     temp: Annotated[float, typer.Option(help="Temperature of the calibration runs; 0 is greedy.")] = 0.0,
     ctx: Annotated[int, typer.Option(help="Context size (tokens).")] = 1024,
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads (default: physical cores).")] = None,
-    ngl: Annotated[int, typer.Option(help="Target layers on the GPU.")] = 0,
-    ngl_draft: Annotated[int, typer.Option(help="Draft layers on the GPU.")] = 0,
+    threads: ThreadsOpt = None,
+    ngl: NglOpt = None,
+    ngl_draft: NglDraftOpt = None,
+    vram_budget: VramBudgetOpt = None,
+    main_gpu: MainGpuOpt = 0,
+    tensor_split: TensorSplitOpt = None,
+    device: DeviceOpt = None,
+    draft_device: DraftDeviceOpt = None,
     write: Annotated[bool, typer.Option("--write", help="Store the result as [tuned] in the pair manifest.")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the result as JSON to PATH, or - for stdout.")] = None,
     verbose: Verbose = False,
@@ -77,7 +84,11 @@ def main(
         target, draft = demo_pair()
     if draft is None:
         raise UsageError("tune needs a draft model; pass --draft (or a --pair with a draft)")
-    with Engine(target, draft, ctx=ctx, threads=threads, ngl=ngl, ngl_draft=ngl_draft) as eng:
+    placement = resolve_placement(str(target), str(draft), ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
+                                  vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
+                                  device=device, draft_device=draft_device)
+    with Engine(target, draft, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
+                **placement.engine_options()) as eng:
         result = calibrate(eng, DEFAULT_PROMPTS, n_predict=n_predict, draft_max=draft_max, temp=temp)
     if write:
         path = write_tuned(pair, result)

@@ -16,7 +16,7 @@ import numpy as np
 
 import llama_cpp.llama_cpp as C
 
-from ..errors import ContextFullError, LlamaCallError, ModelFileError, SpecqError
+from ..errors import ContextFullError, LlamaCallError, ModelFileError, SpecqError, UsageError
 
 log = logging.getLogger("specq.native")
 llama_log = logging.getLogger("specq.llama")
@@ -105,19 +105,22 @@ class Model(_Handle):
     """A loaded GGUF model (weights and vocabulary)."""
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, vocab_only: bool = False,
-                 main_gpu: int = 0, tensor_split: list[float] | None = None):
+                 main_gpu: int = 0, tensor_split: list[float] | None = None, devices: list[str] | None = None):
         ensure_backend()
         self.path = check_gguf_file(path)
         params = C.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
         params.vocab_only = bool(vocab_only)
         params.main_gpu = int(main_gpu)
-        self._split = None
+        self._split = self._devs = None  # kept alive while llama.cpp may read them
         if tensor_split:
             n = C.llama_max_devices()
             arr = (ctypes.c_float * n)(*(list(tensor_split) + [0.0] * n)[:n])
             self._split = arr
             params.tensor_split = arr
+        if devices:
+            self._devs = device_handles(devices)
+            params.devices = ctypes.cast(self._devs, ctypes.c_void_p).value
         handle = C.llama_model_load_from_file(str(self.path).encode(), params)
         if not handle:
             raise ModelFileError(
@@ -486,6 +489,22 @@ def devices() -> list[DeviceInfo]:
             memory_total=int(total.value), memory_free=int(free.value),
             device_id=props.device_id.decode("ascii", "replace") if props.device_id else None))
     return out
+
+
+def device_handles(names: list[str]):
+    """A NULL-terminated array of ggml device handles for llama_model_params.devices, by ggml device name."""
+    ensure_backend()
+    lib = _libggml()
+    known = {}
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
+        if dev:
+            known[(lib.ggml_backend_dev_name(dev) or b"").decode("utf-8", "replace")] = dev
+    missing = [n for n in names if n not in known]
+    if missing:
+        raise UsageError(f"unknown device {', '.join(missing)} (this build has {', '.join(known) or 'none'}); "
+                         "see `specq doctor`")
+    return (ctypes.c_void_p * (len(names) + 1))(*[known[n] for n in names], None)
 
 
 def ftype_by_name() -> dict[str, int]:

@@ -11,7 +11,7 @@ from typing import Callable
 
 from .. import __version__
 from ..errors import UsageError
-from . import _ffi
+from . import _ffi, placement
 from .accept import expected_tokens_per_pass, ideal_speedup
 from .engine import Engine, Generation, GenerationSettings, GenerationStats
 
@@ -37,6 +37,8 @@ class BenchConfig:
     extra_settings: dict = field(default_factory=dict)  # other flags to echo in the JSON settings
     sweep: tuple[tuple[int, float], ...] = ()  # (draft_max, p_min) points; empty: just `settings`
     prompt_names: tuple[str, ...] = ()
+    chat: bool = False  # wrap each prompt as one user turn in the target's chat template
+    engine_options: dict = field(default_factory=dict)  # main_gpu, tensor splits, devices (see Placement)
 
     def points(self) -> list[tuple[int, float]]:
         return list(self.sweep) or [(self.settings.draft_max, self.settings.p_min)]
@@ -57,8 +59,15 @@ def load_prompt_set(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(r["name"] for r in rows), tuple(r["prompt"] for r in rows)
 
 
-def default_ngl() -> int:
-    return 999 if _ffi.supports_gpu_offload() else 0
+def prompt_tokens(eng: Engine, cfg: BenchConfig) -> list[list[int]]:
+    """Raw prompts are tokenized as given (special tokens parsed, like llama.cpp's -p); --chat applies the
+    target's chat template to each as a single user turn."""
+    if not cfg.chat:
+        return [eng.tokenize(p) for p in cfg.prompts]
+    from .chat import ChatSession, load_template
+
+    template = load_template(None, eng.target.chat_template(), cfg.target)
+    return [ChatSession(eng, template).plan_turn(p)[1] for p in cfg.prompts]
 
 
 def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, settings: GenerationSettings | None = None,
@@ -100,6 +109,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if (a is not None and b) else None
 
 
+def _draft_min_for(draft_min: int, draft_max: int | str) -> int:
+    return min(draft_min, draft_max) if isinstance(draft_max, int) else draft_min
+
+
 def cost_model(base: list[dict], spec: list[dict], draft_max: int | None) -> dict:
     """Measured α, draft/target cost ratio c and verify cost v, and the speed-ups they imply.
 
@@ -112,7 +125,8 @@ def cost_model(base: list[dict], spec: list[dict], draft_max: int | None) -> dic
     verify_step = _ratio(sum(r["verify_ms"] for r in spec), steps)
     base_tok = _median([_ratio(r["gen_ms"], r["n_generated"]) for r in base])
     c, v = _ratio(draft_tok, base_tok), _ratio(verify_step, base_tok)
-    known = alpha is not None and c is not None and draft_max
+    # With draft_max "auto" the length varies per step, so there is no single k to put in the formula.
+    known = alpha is not None and c is not None and isinstance(draft_max, int) and draft_max > 0
     return {
         "alpha": alpha, "draft_ms_per_token": draft_tok, "verify_ms_per_step": verify_step,
         "baseline_ms_per_token": base_tok, "cost_ratio": c, "verify_cost": v,
@@ -187,13 +201,14 @@ def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
     """Run baseline and speculative (each sweep point) alternately per prompt and repeat; return the JSON document."""
     cfg.settings.validate()
     points = cfg.points()
-    point_settings = [replace(cfg.settings, draft_max=k, p_min=p, draft_min=min(cfg.settings.draft_min, k)).validate()
+    point_settings = [replace(cfg.settings, draft_max=k, p_min=p, draft_min=_draft_min_for(cfg.settings.draft_min, k)).validate()
                       for k, p in points]
-    ngl = default_ngl() if cfg.ngl is None else cfg.ngl
-    ngl_draft = default_ngl() if cfg.ngl_draft is None else cfg.ngl_draft
+    ngl = placement.default_ngl() if cfg.ngl is None else cfg.ngl
+    ngl_draft = placement.default_ngl() if cfg.ngl_draft is None else cfg.ngl_draft
     factory = engine_factory or Engine
-    with factory(cfg.target, cfg.draft, ctx=cfg.ctx, threads=cfg.threads, ngl=ngl, ngl_draft=ngl_draft) as eng:
-        prompts = [eng.tokenize(p) for p in cfg.prompts]
+    with factory(cfg.target, cfg.draft, ctx=cfg.ctx, threads=cfg.threads, ngl=ngl, ngl_draft=ngl_draft,
+                 **cfg.engine_options) as eng:
+        prompts = prompt_tokens(eng, cfg)
         names = list(cfg.prompt_names) or [None] * len(prompts)
         plan = ([("baseline", cfg.settings)] if cfg.baseline else []) + \
             ([("speculative", s) for s in point_settings] if cfg.draft else [])

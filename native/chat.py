@@ -92,7 +92,7 @@ HELP = """\
 /help          this list
 /reset         forget the conversation (keeps the system prompt)
 /stats         acceptance and timing for this session
-/k N           draft at most N tokens per step
+/k N           draft at most N tokens per step (/k auto: adaptive)
 /pmin X        stop drafting when the draft's top-1 probability is below X
 /temp T        sampling temperature (0: greedy)
 /n N           at most N tokens per answer (/n off: no limit)
@@ -128,6 +128,8 @@ def apply_setting(settings: GenerationSettings, cmd: Command) -> GenerationSetti
     """The settings after /k, /pmin, /temp or /n (validated; UsageError on a bad value)."""
     if cmd.name == "n" and cmd.arg.lower() in ("off", "none"):
         return replace(settings, n_predict=None)
+    if cmd.name == "k" and cmd.arg.lower() == "auto":
+        return replace(settings, draft_max="auto").validate()
     field_name, conv = {"k": ("draft_max", int), "pmin": ("p_min", float), "temp": ("temp", float),
                        "n": ("n_predict", int)}[cmd.name]
     try:
@@ -227,6 +229,11 @@ class Answer:
     @property
     def stats(self) -> GenerationStats | None:
         return self.gen.stats
+
+    def snapshot(self) -> GenerationStats | None:
+        """This answer's stats so far (None from an engine that cannot tell)."""
+        snap = getattr(self.gen, "snapshot", None)
+        return snap() if snap else None
 
 
 class ChatSession:
@@ -357,9 +364,9 @@ def write_json_atomic(path: Path, doc: dict) -> Path:
 
 def open_chat(target: str, draft: str | None, *, template: str | None, settings: GenerationSettings,
               system: str | None, ctx: int, threads: int | None, ngl: int, ngl_draft: int,
-              engine_factory: Callable[..., Engine] = Engine) -> ChatSession:
+              engine_factory: Callable[..., Engine] = Engine, **engine_options) -> ChatSession:
     """Load the models and start a conversation (closing the engine if the template is unusable)."""
-    eng = engine_factory(target, draft, ctx=ctx, threads=threads, ngl=ngl, ngl_draft=ngl_draft)
+    eng = engine_factory(target, draft, ctx=ctx, threads=threads, ngl=ngl, ngl_draft=ngl_draft, **engine_options)
     try:
         tpl = load_template(template, eng.target.chat_template(), str(target))
         return ChatSession(eng, tpl, settings, system)
@@ -421,7 +428,8 @@ class AnswerProgress:
     n_tokens: int = 0
     n_from_draft: int = 0
     n_steps: int = 0
-    stats: GenerationStats | None = None
+    stats: GenerationStats | None = None  # the final stats, once the answer has ended
+    live: GenerationStats | None = None  # the engine's stats so far, while it streams
 
     def __post_init__(self):
         self.window.start(self.started)
@@ -460,15 +468,16 @@ _STATES = {"eog": "done", "ctx": "context full", "n_predict": "done (n-predict)"
 
 def panel_data(p: AnswerProgress, totals: Totals, ctx_used: int, n_ctx: int, settings: GenerationSettings,
                speculative: bool, now: float) -> PanelData:
-    """Numbers for the panel: this answer's final stats when done, else what its events tell so far;
-    the per-step timing comes from this answer when done, else from the session so far."""
+    """Numbers for the panel: this answer's final stats when done, else the engine's live snapshot (or what
+    its events tell); per-step timing from this answer once it has a step, else from the session so far."""
     st = p.stats
-    n_steps = st.n_steps if st else p.n_steps
+    cur = st or p.live
+    n_steps = cur.n_steps if cur else p.n_steps
     n_gen = st.n_generated if st else p.n_tokens
-    src = st if st is not None and st.n_steps else (totals if totals.n_steps else None)
+    src = cur if cur is not None and cur.n_steps else (totals if totals.n_steps else None)
     draft_step = src.draft_ms / src.n_steps if src else None
     verify_step = src.verify_ms / src.n_steps if src else None
-    answer_acc = st.accept_rate if st else None
+    answer_acc = cur.accept_rate if cur else None
     tps_step = n_gen / n_steps if n_steps else None
     ratio = verify_step / draft_step if (draft_step and verify_step) else None
     acc_for_hint = answer_acc if answer_acc is not None else totals.accept_rate

@@ -219,17 +219,21 @@ class Engine:
 
     def __init__(self, target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
                  ctx: int = 4096, threads: int | None = None, ngl: int = 0, ngl_draft: int = 0,
-                 n_batch: int = 512):
+                 n_batch: int = 512, main_gpu: int = 0, tensor_split: list[float] | None = None,
+                 draft_tensor_split: list[float] | None = None, devices: list[str] | None = None,
+                 draft_devices: list[str] | None = None):
         if ctx < 16:
             raise UsageError(f"--ctx must be at least 16 ({ctx})")
         self.threads = threads or physical_cores()
         if self.threads < 1:
             raise UsageError(f"--threads must be at least 1 ({threads})")
-        self.target = _ffi.Model(target, n_gpu_layers=ngl)
+        self.target = _ffi.Model(target, n_gpu_layers=ngl, main_gpu=main_gpu, tensor_split=tensor_split,
+                                 devices=devices)
         self.draft = None
         try:
             if draft is not None:
-                self.draft = _ffi.Model(draft, n_gpu_layers=ngl_draft)
+                self.draft = _ffi.Model(draft, n_gpu_layers=ngl_draft, main_gpu=main_gpu,
+                                        tensor_split=draft_tensor_split, devices=draft_devices)
                 check_compatible(VocabInfo.of(self.target), VocabInfo.of(self.draft))
             self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=n_batch,
                                         n_outputs_max=DRAFT_MAX_CAP + 1, name="target")
@@ -424,8 +428,24 @@ class Session:
         return Generation(self, new_tokens, settings, speculative)
 
 
+@dataclass
+class _Progress:
+    """A generation's running counters: what `Generation.snapshot()` and the final stats are built from."""
+
+    prompt_s: float = 0.0
+    n_steps: int = 0
+    n_drafted: int = 0
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted, per step that drafted
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    t_gen0: float | None = None
+    decode0: float = 0.0
+    restores0: int = 0
+
+
 class Generation:
-    """Iterate for TokenEvents; `stats` is set when the iteration ends (also on interruption)."""
+    """Iterate for TokenEvents; `stats` is set when the iteration ends (also on interruption);
+    `snapshot()` gives the stats so far while it runs."""
 
     def __init__(self, session: Session, new_tokens: list[int], settings: GenerationSettings, speculative: bool):
         self.session = session
@@ -436,33 +456,54 @@ class Generation:
         self.controller: AdaptiveDraft | None = None  # draft_max="auto": its final estimates (for tune)
         self.tokens: list[int] = []
         self._text: list[str] = []
+        self._p = _Progress()
+        self._samp: _Sampling | None = None
+        eng = session.engine
+        self._ctxs = [c for c in (eng.tgt_ctx, eng.dft_ctx if speculative else None) if c is not None]
 
     @property
     def text(self) -> str:
         return "".join(self._text)
 
+    def _make_stats(self, stop: str, gen_s: float) -> GenerationStats:
+        p, s, ctrl, samp = self._p, self.settings, self.controller, self._samp
+        return GenerationStats(
+            speculative=self.speculative, n_prompt=len(self.new_tokens), n_generated=len(self.tokens),
+            n_steps=p.n_steps, n_drafted=p.n_drafted, n_accepted=sum(p.accepted),
+            accepted_per_pos=tuple(accepted_per_position(p.accepted, s.draft_cap)) if self.speculative else (),
+            prompt_ms=p.prompt_s * 1e3, draft_ms=p.draft_s * 1e3, verify_ms=p.verify_s * 1e3,
+            gen_ms=gen_s * 1e3, decode_ms=(sum(c.decode_s for c in self._ctxs) - p.decode0) * 1e3,
+            n_restores=self.session.tgt.n_restores - p.restores0, stop_reason=stop,
+            accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
+                "greedy" if s.temp <= 0 else "sample"),
+            sample_ms=samp.sample_s * 1e3 if samp else 0.0, n_plain_steps=ctrl.n_plain_steps if ctrl else 0,
+            n_probes=ctrl.n_probes if ctrl else 0)
+
+    def snapshot(self) -> GenerationStats:
+        """The stats so far (stop_reason "running"); the final ones once the generation has ended."""
+        if self.stats is not None:
+            return self.stats
+        t0 = self._p.t_gen0
+        return self._make_stats("running", 0.0 if t0 is None else time.perf_counter() - t0)
+
     def __iter__(self) -> Iterator[TokenEvent]:
-        ses, s = self.session, self.settings
+        ses, s, p = self.session, self.settings, self._p
         eng = ses.engine
-        ctxs = [c for c in (eng.tgt_ctx, eng.dft_ctx if self.speculative else None) if c is not None]
         tp0 = time.perf_counter()
         ses.prefill(self.new_tokens)
-        prompt_s = time.perf_counter() - tp0
+        p.prompt_s = time.perf_counter() - tp0
 
-        samp = _Sampling(s, self.speculative)
+        samp = self._samp = _Sampling(s, self.speculative)
         ctrl = None
         if self.speculative and s.adaptive:
             ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1)
             ctrl = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio)
         self.controller = ctrl
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        n_steps = n_drafted = 0
-        accepted: list[int] = []
-        draft_s = verify_s = 0.0
         stop = "interrupted"
-        decode0 = sum(c.decode_s for c in ctxs)
-        restores0 = ses.tgt.n_restores
-        tg0 = time.perf_counter()
+        p.decode0 = sum(c.decode_s for c in self._ctxs)
+        p.restores0 = ses.tgt.n_restores
+        p.t_gen0 = time.perf_counter()
         try:
             while True:
                 remaining = None if s.n_predict is None else s.n_predict - len(self.tokens)
@@ -481,12 +522,12 @@ class Generation:
                         t_step = time.perf_counter()
                         n_draft_max = ctrl.choose(n_draft_max)
                 step = ses._step(s, samp, max(n_draft_max, 0))
-                n_steps += 1
-                draft_s += step.draft_s
-                verify_s += step.verify_s
+                p.n_steps += 1
+                p.draft_s += step.draft_s
+                p.verify_s += step.verify_s
                 if step.n_drafted:
-                    n_drafted += step.n_drafted
-                    accepted.append(len(step.emitted) - 1)
+                    p.n_drafted += step.n_drafted
+                    p.accepted.append(len(step.emitted) - 1)
                 done = None
                 events = []
                 for i, tok in enumerate(step.emitted):
@@ -495,7 +536,7 @@ class Generation:
                     is_eog = eng.target.is_eog(tok)
                     piece = "" if is_eog else utf8.decode(eng.target.piece(tok))
                     self._text.append(piece)
-                    events.append(TokenEvent(tok, piece, i < len(step.emitted) - 1, n_steps - 1))
+                    events.append(TokenEvent(tok, piece, i < len(step.emitted) - 1, p.n_steps - 1))
                     if is_eog:
                         done = "eog"
                         break
@@ -511,7 +552,7 @@ class Generation:
                     stop = done
                     break
         finally:
-            gen_s = time.perf_counter() - tg0
+            gen_s = time.perf_counter() - p.t_gen0
             try:
                 ses._rewind()
             finally:
@@ -519,17 +560,7 @@ class Generation:
                 tail = utf8.decode(b"", final=True)
                 if tail:
                     self._text.append(tail)
-                n_acc = sum(accepted)
-                self.stats = GenerationStats(
-                    speculative=self.speculative, n_prompt=len(self.new_tokens), n_generated=len(self.tokens),
-                    n_steps=n_steps, n_drafted=n_drafted, n_accepted=n_acc,
-                    accepted_per_pos=tuple(accepted_per_position(accepted, s.draft_cap)) if self.speculative else (),
-                    prompt_ms=prompt_s * 1e3, draft_ms=draft_s * 1e3, verify_ms=verify_s * 1e3,
-                    gen_ms=gen_s * 1e3, decode_ms=(sum(c.decode_s for c in ctxs) - decode0) * 1e3,
-                    n_restores=ses.tgt.n_restores - restores0, stop_reason=stop,
-                    accept_mode=samp.mode if self.speculative else ("greedy" if s.temp <= 0 else "sample"),
-                    sample_ms=samp.sample_s * 1e3, n_plain_steps=ctrl.n_plain_steps if ctrl else 0,
-                    n_probes=ctrl.n_probes if ctrl else 0)
+                self.stats = self._make_stats(stop, gen_s)
 
     def run(self) -> "Generation":
         """Consume the whole generation (no streaming)."""

@@ -1,0 +1,96 @@
+"""Where each model runs: GPU layers for target and draft, devices, splits, and the VRAM budget planner."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from . import _ffi
+
+log = logging.getLogger("specq.placement")
+
+ALL_LAYERS = 999  # llama.cpp clamps n_gpu_layers to the model's layer count (+ output)
+
+
+@dataclass(frozen=True)
+class Placement:
+    ngl: int
+    ngl_draft: int
+    main_gpu: int = 0
+    tensor_split: tuple[float, ...] | None = None
+    draft_tensor_split: tuple[float, ...] | None = None
+    devices: tuple[str, ...] | None = None
+    draft_devices: tuple[str, ...] | None = None
+
+    def engine_options(self) -> dict:
+        """Engine keyword arguments beyond ngl/ngl_draft (lists where it takes lists)."""
+        return {"main_gpu": self.main_gpu,
+                "tensor_split": list(self.tensor_split) if self.tensor_split else None,
+                "draft_tensor_split": list(self.draft_tensor_split) if self.draft_tensor_split else None,
+                "devices": list(self.devices) if self.devices else None,
+                "draft_devices": list(self.draft_devices) if self.draft_devices else None}
+
+
+def default_ngl() -> int:
+    """All layers when llama.cpp can offload to a GPU, else 0."""
+    return ALL_LAYERS if _ffi.supports_gpu_offload() else 0
+
+
+def parse_split(text: str | None) -> tuple[float, ...] | None:
+    """--tensor-split "3,1": the share of layers per device."""
+    if not text:
+        return None
+    try:
+        parts = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"--tensor-split takes numbers separated by commas ({text}); e.g. 3,1")
+    if any(p < 0 for p in parts) or not any(parts):
+        raise UsageError(f"--tensor-split needs non-negative shares, not all zero ({text})")
+    return parts
+
+
+def parse_devices(text: str | None) -> tuple[str, ...] | None:
+    """--device "CUDA0,CUDA1": ggml device names as `specq doctor` lists them."""
+    if not text:
+        return None
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def resolve_placement(target: str, draft: str | None, *, ctx: int, ngl: int | None = None,
+                      ngl_draft: int | None = None, vram_budget: str | None = None, main_gpu: int = 0,
+                      tensor_split: str | None = None, device: str | None = None,
+                      draft_device: str | None = None) -> Placement:
+    """Turn the placement flags into a Placement; an explicit --ngl/--ngl-draft wins over the planner."""
+    if ngl is not None and ngl < 0:
+        raise UsageError(f"--ngl must be >= 0 ({ngl})")
+    if ngl_draft is not None and ngl_draft < 0:
+        raise UsageError(f"--ngl-draft must be >= 0 ({ngl_draft})")
+    if main_gpu < 0:
+        raise UsageError(f"--main-gpu must be >= 0 ({main_gpu})")
+    split = parse_split(tensor_split)
+    draft_split = None
+    n_tgt, n_dft = ngl, ngl_draft
+    if vram_budget is not None:
+        from .plan import choose_layers
+
+        plan_tgt, plan_dft, plan = choose_layers(target, draft, vram_budget, ctx)
+        if n_tgt is not None and n_tgt > plan_tgt:
+            log.warning("--ngl %d exceeds the VRAM budget (the plan fits %d target layers); "
+                        "loading may run out of memory", n_tgt, plan_tgt)
+        if n_dft is not None and draft is not None and n_dft > plan_dft:
+            log.warning("--ngl-draft %d exceeds the VRAM budget (the plan fits %d draft layers)", n_dft, plan_dft)
+        n_tgt = plan_tgt if n_tgt is None else n_tgt
+        n_dft = plan_dft if n_dft is None else n_dft
+        if split is None and len(plan.devices) > 1:
+            split = tuple(float(x) for x in plan.tensor_split("target"))
+            draft_split = tuple(float(x) for x in plan.tensor_split("draft"))
+    gpu = default_ngl()
+    n_tgt = gpu if n_tgt is None else n_tgt
+    n_dft = gpu if n_dft is None else n_dft
+    if draft is not None and n_tgt > 0 and n_dft == 0 and _ffi.supports_gpu_offload():
+        log.warning("the target is on the GPU but the draft is on the CPU: drafting will be slow and "
+                    "speculation may not pay; use --ngl-draft (or --vram-budget)")
+    return Placement(ngl=n_tgt, ngl_draft=n_dft, main_gpu=main_gpu, tensor_split=split,
+                     draft_tensor_split=draft_split or split, devices=parse_devices(device),
+                     draft_devices=parse_devices(draft_device))
