@@ -188,3 +188,18 @@ def test_save_writes_transcript_and_stats(engine, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["t.json"]  # no temporary left behind
     with pytest.raises(UsageError, match="folder not found"):
         chat.save(tmp_path / "missing" / "t.json")
+
+
+def test_panel_shows_this_answers_acceptance_while_it_streams(engine):
+    chat = chat_of(engine)
+    ans = chat.ask("hello there")
+    p = AnswerProgress(started=0.0)
+    it = iter(ans)
+    for _ in range(12):
+        p.add(next(it), now=0.5)
+    p.live = ans.snapshot()
+    d = panel_data(p, chat.totals, chat.n_used, chat.n_ctx, chat.settings, True, now=1.0)
+    assert d.state == "generating"
+    assert p.live.n_drafted > 0 and d.answer_accept == p.live.accept_rate  # known before the answer ends
+    assert d.draft_ms_step == pytest.approx(p.live.draft_ms / p.live.n_steps)
+    ans.close()

@@ -170,3 +170,15 @@ def test_incompatible_draft_names_both_files_and_token(tiny_target, tiny_incompa
 def test_bad_settings_raise_usage_error(kw):
     with pytest.raises(UsageError):
         GenerationSettings(**kw).validate()
+
+
+def test_snapshot_reports_progress_while_streaming(engines):
+    e = engines["close"]
+    gen = e.session().generate(e.tokenize(PROMPTS[0]), GenerationSettings(n_predict=40, draft_max=4))
+    seen = []
+    for i, _ in enumerate(gen):
+        snap = gen.snapshot()
+        assert snap.stop_reason == "running" and snap.n_generated >= i + 1  # whole steps are counted
+        seen.append(snap.n_drafted)
+    assert seen[-1] > 0 and seen == sorted(seen)  # counters only grow
+    assert gen.snapshot() is gen.stats and gen.stats.n_drafted >= seen[-1]
