@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 from .. import __version__
 from ..errors import ContextFullError, SpecqError, UsageError
-from .engine import Engine, GenerationSettings, GenerationStats, TokenEvent
+from .engine import Engine, GenerationSettings, GenerationStats, Rates, TokenEvent
 
 log = logging.getLogger("specq.chat")
 
@@ -165,7 +165,7 @@ class Turn:
 
 
 @dataclass
-class Totals:
+class Totals(Rates):
     turns: int = 0
     n_generated: int = 0
     n_steps: int = 0
@@ -182,18 +182,6 @@ class Totals:
         for k in ("n_generated", "n_steps", "n_drafted", "n_accepted", "gen_ms", "draft_ms", "verify_ms",
                   "prompt_ms", "n_prompt"):
             setattr(self, k, getattr(self, k) + getattr(st, k))
-
-    @property
-    def accept_rate(self) -> float | None:
-        return self.n_accepted / self.n_drafted if self.n_drafted else None
-
-    @property
-    def mean_accepted_per_step(self) -> float | None:
-        return self.n_accepted / self.n_steps if self.n_steps else None
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.n_generated / (self.gen_ms / 1000.0) if self.gen_ms > 0 else 0.0
 
     def final_line(self) -> dict:
         """The piped-mode stats line: exactly the keys INTERFACES.md names."""

@@ -116,8 +116,24 @@ class TokenEvent:
     step: int
 
 
+class Rates:
+    """Derived rates of anything with n_accepted, n_drafted, n_steps, n_generated and gen_ms."""
+
+    @property
+    def accept_rate(self) -> float | None:
+        return self.n_accepted / self.n_drafted if self.n_drafted else None
+
+    @property
+    def mean_accepted_per_step(self) -> float | None:
+        return self.n_accepted / self.n_steps if self.n_steps else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_generated / (self.gen_ms / 1000.0) if self.gen_ms > 0 else 0.0
+
+
 @dataclass(frozen=True)
-class GenerationStats:
+class GenerationStats(Rates):
     speculative: bool
     n_prompt: int
     n_generated: int
@@ -136,18 +152,6 @@ class GenerationStats:
     sample_ms: float = 0.0  # rejection mode: time in the sampling transform and acceptance (both models)
     n_plain_steps: int = 0  # draft_max=auto: steps that chose not to draft (probes excluded)
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning
-
-    @property
-    def accept_rate(self) -> float | None:
-        return self.n_accepted / self.n_drafted if self.n_drafted else None
-
-    @property
-    def mean_accepted_per_step(self) -> float | None:
-        return self.n_accepted / self.n_steps if self.n_steps else None
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.n_generated / (self.gen_ms / 1000.0) if self.gen_ms > 0 else 0.0
 
     @property
     def overhead_fraction(self) -> float:
