@@ -35,12 +35,22 @@ class RowPlan:
 
 def check_same_vocabulary(target: Vocab, draft: Vocab) -> None:
     """Refuse a draft whose real vocabulary differs, naming the first differing id and both texts."""
+    if target.model != draft.model:
+        raise IncompatibleDraftError(
+            f"draft tokenizer type differs: target {target.model}, draft {draft.model} ({draft.source}); "
+            "choose a draft of the same model family")
     diff = first_difference(target, draft)
     if diff is not None:
         i, a, b = diff
         raise IncompatibleDraftError(
             f"draft vocabulary differs from the target's at token {i}: target {a!r}, draft {b!r} "
             f"({target.source} vs {draft.source}); choose a draft of the same model family")
+    n = target.n_real  # equal to the draft's once the tokens match
+    if target.scores is not None and draft.scores is not None and target.scores[:n] != draft.scores[:n]:
+        i = next(i for i in range(n) if target.scores[i] != draft.scores[i])
+        raise IncompatibleDraftError(
+            f"draft SentencePiece scores differ from the target's at token {i} ({target.tokens[i]!r}: "
+            f"{target.scores[i]} vs {draft.scores[i]}; {draft.source}); choose a draft of the same model family")
     if target.pre != draft.pre:
         raise IncompatibleDraftError(
             f"draft pre-tokenizer differs: target {target.pre}, draft {draft.pre} ({draft.source}); "

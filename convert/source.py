@@ -1,7 +1,8 @@
 """Where a checkpoint comes from: a local directory or a Hugging Face Hub repo id (safetensors only).
 
-Never runs model code: only config, tokenizer files and safetensors weights are read. Pickle checkpoints
-(`*.bin`, `*.pt`) are refused because unpickling can execute arbitrary code.
+Never runs model code: only config, tokenizer files (tokenizer.model is a SentencePiece protobuf, data only)
+and safetensors weights are read. Pickle checkpoints (`*.bin`, `*.pt`) are refused because unpickling can
+execute arbitrary code.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ log = logging.getLogger("specq.convert")
 
 # What we download from the Hub: nothing executable, no pickles.
 HUB_PATTERNS = [
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "chat_template.json", "chat_template.jinja", "merges.txt", "vocab.json",
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "chat_template.json", "chat_template.jinja", "merges.txt",
+    "vocab.json",
     "*.safetensors", "*.safetensors.index.json",
 ]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -1,4 +1,5 @@
-"""tokenizer.json -> GGUF tokenizer metadata (byte-level BPE: Llama 3, Qwen2/2.5/3, SmolLM, GPT-2 style).
+"""Tokenizer files -> GGUF tokenizer metadata: byte-level BPE from tokenizer.json (Llama 3, Qwen2/2.5/3, SmolLM,
+GPT-2 style) or SentencePiece BPE from tokenizer.model (Llama 2, Mistral v0.1; see spm.py).
 
 llama.cpp re-implements each pre-tokenizer by name (`tokenizer.ggml.pre`). Upstream's converter finds the
 name by hashing the Hugging Face tokenizer's output on a fixed text, which needs `transformers`; we read
@@ -9,13 +10,14 @@ Special ids, add-BOS, merges and the chat template come from gguf.SpecialVocab, 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
 
 from ..errors import ConversionError
 from .source import read_json
+from .spm import ADDED_SCORE, load_spm
 
 log = logging.getLogger("specq.convert")
 
@@ -37,6 +39,10 @@ class Vocab:
     pre: str
     special: gguf.SpecialVocab
     source: str
+    model: str = "gpt2"  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece)
+    scores: list[float] | None = None  # SentencePiece only: llama.cpp merges by score
+    add_space_prefix: bool | None = None
+    remove_extra_whitespaces: bool | None = None
 
     @property
     def n_rows(self) -> int:
@@ -48,7 +54,10 @@ class Vocab:
             raise ConversionError(f"cannot trim the vocabulary below its {self.n_real} real tokens ({n_rows})")
         tokens = self.tokens[:n_rows] + [f"[PAD{i}]" for i in range(len(self.tokens), n_rows)]
         types = self.types[:n_rows] + [gguf.TokenType.UNUSED] * max(0, n_rows - len(self.types))
-        return Vocab(tokens, types, self.n_real, self.pre, self.special, self.source)
+        scores = self.scores
+        if scores is not None:
+            scores = scores[:n_rows] + [ADDED_SCORE] * max(0, n_rows - len(scores))
+        return replace(self, tokens=tokens, types=types, scores=scores)
 
 
 def detect_pre(tok: dict, where: str) -> str:
@@ -74,14 +83,33 @@ def _looks_special(text: str) -> bool:
 
 
 def load_vocab(path: Path, n_rows: int, where: str) -> Vocab:
-    """Read tokenizer.json (+ tokenizer_config.json) for a checkpoint with n_rows embedding rows."""
-    tok = read_json(path / "tokenizer.json", "tokenizer.json")
+    """The tokenizer of a checkpoint with n_rows embedding rows: byte-level BPE from tokenizer.json when it
+    is one, else SentencePiece from tokenizer.model (Llama 2 checkpoints ship both)."""
+    has_json, has_model = (path / "tokenizer.json").is_file(), (path / "tokenizer.model").is_file()
+    tok = read_json(path / "tokenizer.json", "tokenizer.json") if has_json or not has_model else {}
     model = tok.get("model") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback") or "vocab" not in model:
-        raise ConversionError(f"tokenizer is not a byte-level BPE ({where}: {model.get('type')}, byte_fallback="
-                              f"{model.get('byte_fallback')}); SentencePiece-style tokenizers (Llama 2, Mistral "
-                              "v0.1) are not supported yet")
+    if model.get("type") == "BPE" and not model.get("byte_fallback") and "vocab" in model:
+        return _load_bpe(path, tok, n_rows, where)
+    if has_model:
+        return _load_spm(path, n_rows, where)
+    raise ConversionError(f"tokenizer is not a byte-level BPE ({where}: {model.get('type')}, byte_fallback="
+                          f"{model.get('byte_fallback')}) and there is no tokenizer.model; SentencePiece "
+                          "tokenizers (Llama 2, Mistral v0.1) are read from tokenizer.model: add it to the folder")
+
+
+def _load_spm(path: Path, n_rows: int, where: str) -> Vocab:
+    v = load_spm(path, n_rows, where)
+    special = gguf.SpecialVocab(path, load_merges=False, n_vocab=n_rows)
+    for kind, i in v.model.special_ids.items():
+        # ids the HF files do not name come from the SentencePiece model itself
+        special.special_token_ids.setdefault(kind, i)
+    return Vocab(v.tokens, v.types, v.n_real, "default", special, where, model="llama", scores=v.scores,
+                 add_space_prefix=v.add_space_prefix, remove_extra_whitespaces=v.model.remove_extra_whitespaces)
+
+
+def _load_bpe(path: Path, tok: dict, n_rows: int, where: str) -> Vocab:
     pre = detect_pre(tok, where)
+    model = tok["model"]
     by_id: dict[int, str] = {int(i): t for t, i in model["vocab"].items()}
     added = {int(a["id"]): a for a in tok.get("added_tokens", [])}
     for i, a in added.items():
@@ -112,10 +140,16 @@ def load_vocab(path: Path, n_rows: int, where: str) -> Vocab:
 
 def write_vocab(w: gguf.GGUFWriter, v: Vocab) -> None:
     w.add_vocab_size(v.n_rows)
-    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_model(v.model)
     w.add_tokenizer_pre(v.pre)
     w.add_token_list(v.tokens)
+    if v.scores is not None:
+        w.add_token_scores(v.scores)
     w.add_token_types(v.types)
+    if v.add_space_prefix is not None:
+        w.add_add_space_prefix(v.add_space_prefix)
+    if v.remove_extra_whitespaces is not None:
+        w.add_remove_extra_whitespaces(v.remove_extra_whitespaces)
     v.special.add_to_gguf(w, quiet=True)
 
 

@@ -247,3 +247,82 @@ def reference_logits(d: Path, spec: HFSpec, tokens: list[int]) -> np.ndarray:
 
 def variant(spec: HFSpec, **kw) -> HFSpec:
     return replace(spec, **kw)
+
+
+# ---- SentencePiece checkpoints (Llama 2 / Mistral v0.1 style) -------------------------------------
+SPM_CORPUS = CORPUS + (
+    "int main(void) { return printf(\"%d\\n\", 42); }\n"
+    "x = [1, 2, 3]; y = {'key': 3.14159}  # 2024-01-02\n"
+    "  two  spaces   and\tone tab\n"
+    "今天天气很好，我们去公园散步。世界你好。\n"
+)
+LLAMA2_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST] "
+    "{{ message['content'] }} [/INST]{% else %} {{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def train_spm(vocab_size: int = 480, corpus: str = SPM_CORPUS, model_type: str = "bpe") -> bytes:
+    """A tiny tokenizer.model trained as Llama 2's: BPE, byte fallback, split digits, no normalization."""
+    import io
+
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus.splitlines() * 3), model_writer=buf, model_type=model_type,
+        vocab_size=vocab_size, byte_fallback=True, split_digits=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, character_coverage=1.0,
+        hard_vocab_limit=False, num_threads=1, minloglevel=2)
+    return buf.getvalue()
+
+
+def spm_hf_tokenizer(proto: bytes) -> Tokenizer:
+    """tokenizer.json as transformers' LlamaConverter writes it for a SentencePiece BPE model."""
+    import sentencepiece as spm
+    from tokenizers import AddedToken, normalizers
+
+    sp = spm.SentencePieceProcessor(model_proto=proto)
+    vocab = {sp.id_to_piece(i): i for i in range(sp.vocab_size())}
+    merges = []
+    for piece, i in vocab.items():  # every split of a piece into two pieces, ranked by the merged piece
+        pairs = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        merges += [(i, vocab[a], vocab[b], a, b) for a, b in pairs]
+    merges = [(a, b) for *_, a, b in sorted(merges)]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    return tok
+
+
+def write_spm_checkpoint(d: Path, spec: HFSpec, proto: bytes, tokenizer_json: bool = True) -> Path:
+    """A Llama 2-style checkpoint: tokenizer.model (+ tokenizer.json), tokenizer_config.json as HF saves it."""
+    import sentencepiece as spm
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "tokenizer.model").write_bytes(proto)
+    if tokenizer_json:
+        spm_hf_tokenizer(proto).save(str(d / "tokenizer.json"))
+    special = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                        "single_word": False, "special": True} for i, t in enumerate(("<unk>", "<s>", "</s>"))}
+    cfg = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+           "added_tokens_decoder": special, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+           "pad_token": None, "legacy": False, "chat_template": LLAMA2_CHAT_TEMPLATE, "model_max_length": 2048}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    n_rows = spm.SentencePieceProcessor(model_proto=proto).vocab_size() + spec.extra_rows
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": spec.n_embd,
+        "intermediate_size": spec.n_ff, "num_hidden_layers": spec.n_layer, "num_attention_heads": spec.n_head,
+        "num_key_value_heads": spec.n_head_kv, "max_position_embeddings": 2048, "rms_norm_eps": spec.rms_eps,
+        "rope_theta": spec.rope_theta, "vocab_size": n_rows, "tie_word_embeddings": spec.tied,
+        "torch_dtype": {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[spec.dtype],
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None, "hidden_act": "silu",
+    }
+    (d / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}), encoding="utf-8")
+    write_safetensors(d / "model.safetensors", make_weights(spec, n_rows), spec.dtype)
+    return d
