@@ -10,14 +10,14 @@ Special ids, add-BOS, merges and the chat template come from gguf.SpecialVocab, 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 
 from ..errors import ConversionError
 from .source import read_json
-from .spm import ADDED_SCORE, load_spm
+from .spm import load_spm
 
 log = logging.getLogger("specq.convert")
 
@@ -47,17 +47,6 @@ class Vocab:
     @property
     def n_rows(self) -> int:
         return len(self.tokens)
-
-    def with_rows(self, n_rows: int) -> "Vocab":
-        """The same vocabulary padded (or trimmed, padding only) to n_rows entries."""
-        if n_rows < self.n_real:
-            raise ConversionError(f"cannot trim the vocabulary below its {self.n_real} real tokens ({n_rows})")
-        tokens = self.tokens[:n_rows] + [f"[PAD{i}]" for i in range(len(self.tokens), n_rows)]
-        types = self.types[:n_rows] + [gguf.TokenType.UNUSED] * max(0, n_rows - len(self.types))
-        scores = self.scores
-        if scores is not None:
-            scores = scores[:n_rows] + [ADDED_SCORE] * max(0, n_rows - len(scores))
-        return replace(self, tokens=tokens, types=types, scores=scores)
 
 
 def detect_pre(tok: dict, where: str) -> str:
