@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
+
+# llama.cpp's OpenMP workers spin-wait between ops; on a busy 2-core machine that turns seconds into minutes.
+# Tests check behaviour, not speed (benchmarks/ measures speed), so let idle workers sleep.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
