@@ -75,7 +75,8 @@ def main(
         result = convert_pair(target, out_dir, **kwargs)
     else:
         columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn())
-        with Progress(*columns, console=err, transient=False) as p:
+        # transient: a failure leaves only its one error line; no bars when stderr is not a terminal
+        with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as p:
             result = convert_pair(target, out_dir, progress=_Bars(p), **kwargs)
     out.print(f"target: {result.target_path}")
     if result.draft_path is not None:

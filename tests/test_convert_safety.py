@@ -183,3 +183,22 @@ def test_cli_offline_uncached_repo(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert "HF_HUB_OFFLINE" in lines[0] and "someone/not-cached-model" in lines[0]
+
+
+def test_full_disk_mid_write_is_one_line_and_leaves_nothing(tmp_path, ckpt, monkeypatch):
+    import errno
+
+    calls = {"n": 0}
+    real = writer.convert_chunk
+
+    def disk_full(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(writer, "convert_chunk", disk_full)
+    code, err, _ = cli(ckpt, "--out", tmp_path / "out", "--quant", "none", "--outtype", "f32")
+    assert calls["n"] == 3
+    assert code == 1 and len(err) == 1 and err[0].startswith("specq: error: no space left on the device")
+    assert ggufs(tmp_path / "out") == [] and not any((tmp_path / "out").glob("*.tmp*"))
