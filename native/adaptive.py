@@ -70,13 +70,15 @@ class AdaptiveDraft:
         return [(s + self.w * pooled) / (t + self.w) for s, t in zip(self.succ, self.trials)]
 
     def verify_s(self, b: int) -> float:
+        # Verifying more tokens never costs less than one: a noisy reading must not make drafting look free.
+        floor = self.v_mean.get(1, 0.0) if b > 1 else 0.0
         v = self.v_mean.get(b)
         if v is not None:
-            return v
+            return max(v, floor)
         if self._line is None:
-            return next(iter(self.v_mean.values()), 1.0)  # nothing or one size measured: assume flat
+            return max(next(iter(self.v_mean.values()), 1.0), floor)  # nothing or one size measured: flat
         a, s = self._line
-        return max(a + s * b, 1e-9)
+        return max(a + s * b, floor, 1e-9)
 
     def draft_s(self) -> float:
         return self.t_draft if self.t_draft is not None else self.ratio_prior * self.verify_s(1)

@@ -114,3 +114,14 @@ def test_engine_auto_with_perfect_cheap_draft_drafts_and_accepts(pairs):
     assert g.tokens == base.tokens
     assert g.stats.n_drafted > 48 and g.stats.n_accepted == g.stats.n_drafted
     assert len(g.stats.accepted_per_pos) == AUTO_DRAFT_CAP
+
+
+def test_a_noisy_cheap_reading_of_a_big_verify_does_not_make_drafting_look_free():
+    from specq.native.adaptive import AdaptiveDraft
+
+    c = AdaptiveDraft(cap=4, cost_ratio_prior=0.25)
+    for _ in range(20):  # plain decoding: one-token verifies at 10 ms
+        c.observe(0, 0, None, 0.010, 0.0)
+    c.observe(1, 0, 0.0025, 0.006, 0.0)  # one probe whose 2-token verify happened to read 6 ms (noise)
+    assert c.verify_s(2) >= c.verify_s(1)
+    assert c.choose(4) == 0  # a draft that was just rejected is not worth 0.25 of a step plus a verify
