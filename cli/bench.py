@@ -21,7 +21,7 @@ from ..native.bench_plot import check_plot_available, plot_sweep
 from ..native.demo import demo_pair
 from ..native.engine import GenerationSettings
 from ..native.placement import resolve_placement
-from ._common import (AcceptOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, DraftOpt, MainGpuOpt,
+from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, ThreadsDraftOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, DraftOpt, MainGpuOpt,
                       MinPOpt, NglDraftOpt, NglOpt, PairOpt, PMinOpt, Quiet, SeedOpt, TargetOpt, TempOpt,
                       TensorSplitOpt, ThreadsOpt, TopKOpt, TopPOpt, VramBudgetOpt, Verbose, err, handle_errors,
                       resolve_pair, settings_from_flags, setup_logging)
@@ -208,6 +208,8 @@ def main(
     accept: AcceptOpt = "auto",
     ctx: CtxOpt = 4096,
     threads: ThreadsOpt = None,
+    ctx_draft: CtxDraftOpt = None,
+    threads_draft: ThreadsDraftOpt = None,
     ngl: NglOpt = None,
     ngl_draft: NglDraftOpt = None,
     vram_budget: VramBudgetOpt = None,
@@ -263,9 +265,12 @@ def main(
                                   device=device, draft_device=draft_device)
     cfg = BenchConfig(target=str(target), draft=str(draft) if draft else None, prompts=prompts, settings=settings,
                       ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft, repeat=repeat,
-                      baseline=not no_baseline, chat=chat, engine_options=placement.engine_options(),
+                      baseline=not no_baseline, chat=chat,
+                      engine_options={**placement.engine_options(), "draft_ctx": ctx_draft,
+                                      "draft_threads": threads_draft},
                       extra_settings={"prompt_file": str(prompt_file) if prompt_file else None,
-                                      "vram_budget": vram_budget, "main_gpu": main_gpu,
+                                      "vram_budget": vram_budget, "main_gpu": main_gpu, "ctx_draft": ctx_draft,
+                                      "threads_draft": threads_draft,
                                       "tensor_split": tensor_split, "device": device, "draft_device": draft_device,
                                       "prompt_set": prompt_set, "sweep_draft_max": ks if sweep_draft_max else None,
                                       "sweep_p_min": pmins if sweep_p_min else None},

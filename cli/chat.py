@@ -19,7 +19,7 @@ from ..native.chat import HELP, AnswerProgress, ChatSession, Command, apply_sett
     parse_command
 from ..native.demo import demo_pair
 from ..native.placement import resolve_placement
-from ._common import (AcceptOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, MainGpuOpt, MinPOpt,
+from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, ThreadsDraftOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, MainGpuOpt, MinPOpt,
                       NglDraftOpt, NglOpt, PairOpt, PMinOpt, Quiet, SeedOpt, TargetOpt, TempOpt, TensorSplitOpt,
                       ThreadsOpt, TopKOpt, TopPOpt, VramBudgetOpt, Verbose, handle_errors, resolve_pair,
                       settings_from_flags, setup_logging)
@@ -208,6 +208,8 @@ def main(
     accept: AcceptOpt = "auto",
     ctx: CtxOpt = 4096,
     threads: ThreadsOpt = None,
+    ctx_draft: CtxDraftOpt = None,
+    threads_draft: ThreadsDraftOpt = None,
     ngl: NglOpt = None,
     ngl_draft: NglDraftOpt = None,
     vram_budget: VramBudgetOpt = None,
@@ -236,7 +238,7 @@ def main(
                                   device=device, draft_device=draft_device)
     chat = open_chat(str(target), str(draft) if draft else None, template=template, settings=settings,
                      system=system, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
-                     **placement.engine_options())
+                     draft_ctx=ctx_draft, draft_threads=threads_draft, **placement.engine_options())
     final = None
     try:
         if sys.stdin.isatty():

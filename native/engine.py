@@ -225,12 +225,16 @@ class Engine:
                  ctx: int = 4096, threads: int | None = None, ngl: int = 0, ngl_draft: int = 0,
                  n_batch: int = 512, main_gpu: int = 0, tensor_split: list[float] | None = None,
                  draft_tensor_split: list[float] | None = None, devices: list[str] | None = None,
-                 draft_devices: list[str] | None = None):
-        if ctx < 16:
-            raise UsageError(f"--ctx must be at least 16 ({ctx})")
+                 draft_devices: list[str] | None = None, draft_ctx: int | None = None,
+                 draft_threads: int | None = None, draft_n_batch: int | None = None):
+        """Each model gets its own context size, batch size, threads and GPU layers (the draft's default to
+        the target's); generation stops at the smaller context, since the draft holds the same tokens."""
+        for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx, 16), ("--threads", threads, 1),
+                               ("--threads-draft", draft_threads, 1)):
+            if v is not None and v < least:
+                raise UsageError(f"{flag} must be at least {least} ({v})")
         self.threads = threads or physical_cores()
-        if self.threads < 1:
-            raise UsageError(f"--threads must be at least 1 ({threads})")
+        self.draft_threads = draft_threads or self.threads
         self.target = _ffi.Model(target, n_gpu_layers=ngl, main_gpu=main_gpu, tensor_split=tensor_split,
                                  devices=devices)
         self.draft = None
@@ -241,12 +245,13 @@ class Engine:
                 check_compatible(VocabInfo.of(self.target), VocabInfo.of(self.draft))
             self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=n_batch,
                                         n_outputs_max=DRAFT_MAX_CAP + 1, name="target")
-            self.dft_ctx = (_ffi.Context(self.draft, ctx, self.threads, n_batch=n_batch, n_outputs_max=1,
-                                         name="draft") if self.draft is not None else None)
+            self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,
+                                         n_batch=draft_n_batch or n_batch, n_outputs_max=1, name="draft")
+                            if self.draft is not None else None)
         except BaseException:
             self.close()
             raise
-        self.n_ctx = self.tgt_ctx.n_ctx
+        self.n_ctx = min(c.n_ctx for c in (self.tgt_ctx, self.dft_ctx) if c is not None)
 
     def info(self, which: str = "target") -> ModelInfo:
         m = self.target if which == "target" else self.draft

@@ -182,3 +182,13 @@ def test_snapshot_reports_progress_while_streaming(engines):
         seen.append(snap.n_drafted)
     assert seen[-1] > 0 and seen == sorted(seen)  # counters only grow
     assert gen.snapshot() is gen.stats and gen.stats.n_drafted >= seen[-1]
+
+
+def test_draft_has_its_own_context_and_threads(tiny_target, tiny_close):
+    with Engine(tiny_target, tiny_close, ctx=1024, threads=2, draft_ctx=256, draft_threads=1) as e:
+        assert e.tgt_ctx.n_ctx == 1024 and e.dft_ctx.n_ctx == 256 and e.draft_threads == 1
+        assert e.n_ctx == 256  # the draft holds the same tokens, so the smaller context bounds generation
+        g = e.session().generate(e.tokenize(PROMPTS[0]), GenerationSettings(n_predict=None, draft_max=4)).run()
+        assert g.stats.stop_reason in ("ctx", "eog") and g.stats.n_drafted > 0
+    with pytest.raises(UsageError, match="--ctx-draft"):
+        Engine(tiny_target, tiny_close, ctx=1024, draft_ctx=8)

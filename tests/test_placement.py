@@ -94,11 +94,12 @@ def test_bench_budget_fraction_without_a_gpu_fails_clearly(tiny_target, tiny_clo
 def test_bench_draft_max_auto_accept_and_chat_flags(tiny_target, tiny_close):
     r = bench("--target", tiny_target, "--draft", tiny_close, "--draft-max", "auto", "--temp", 0.8,
               "--accept", "rejection", "--chat", "--prompt", "Tell me about foxes.", "--n-predict", 16,
-              "--threads", 1, "--ctx", 512, "--device", "CPU", "--json", "-", "-q")
+              "--threads", 1, "--ctx", 512, "--ctx-draft", 256, "--threads-draft", 1, "--device", "CPU", "--json",
+              "-", "-q")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["settings"]["draft_max"] == "auto" and doc["settings"]["accept"] == "rejection"
-    assert doc["settings"]["device"] == "CPU"
+    assert doc["settings"]["device"] == "CPU" and doc["settings"]["ctx_draft"] == 256
     spec = [row for row in doc["runs"] if row["mode"] == "speculative"][0]
     raw = bench("--target", tiny_target, "--draft", tiny_close, "--prompt", "Tell me about foxes.", "--n-predict", 4,
                 "--threads", 1, "--ctx", 512, "--json", "-", "-q")
