@@ -139,6 +139,17 @@ def resolve_pair(pair: Path | None, target: Path | None, draft: Path | None, cli
     return p.target_path, p.draft_path, keep
 
 
+def models_or_demo(target: Path | None, draft: Path | None) -> tuple:
+    """(target, draft) as given, or the built-in demo pair when neither is."""
+    if target is not None:
+        return target, draft
+    if draft is not None:
+        raise UsageError("--draft needs --target; omit both for the demo pair")
+    from ..native.demo import demo_pair
+
+    return demo_pair()
+
+
 def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_min, temp, top_k, top_p, min_p, seed,
                         accept) -> GenerationSettings:
     """The generation settings from the flags, with a pair manifest's suggestions where a flag was not given."""

@@ -18,13 +18,12 @@ from rich.text import Text
 from ..errors import UsageError
 from ..native.bench import DEFAULT_PROMPT, BenchConfig, load_prompt_set, run_bench, write_csv
 from ..native.bench_plot import check_plot_available, plot_sweep
-from ..native.demo import demo_pair
 from ..native.engine import GenerationSettings
 from ..native.placement import resolve_placement
-from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, ThreadsDraftOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, DraftOpt, MainGpuOpt,
-                      MinPOpt, NglDraftOpt, NglOpt, PairOpt, PMinOpt, Quiet, SeedOpt, TargetOpt, TempOpt,
-                      TensorSplitOpt, ThreadsOpt, TopKOpt, TopPOpt, VramBudgetOpt, Verbose, err, handle_errors,
-                      resolve_pair, settings_from_flags, setup_logging)
+from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, DraftOpt,
+                      err, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt, PairOpt, PMinOpt,
+                      Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
+                      TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt)
 
 
 def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[str, ...]:
@@ -252,10 +251,7 @@ def main(
         GenerationSettings(draft_max=k, p_min=p).validate()
     if plot is not None:
         check_plot_available()
-    if target is None:
-        if draft is not None:
-            raise UsageError("--draft needs --target; omit both for the demo pair")
-        target, draft = demo_pair()
+    target, draft = models_or_demo(target, draft)
     if draft is None and no_baseline:
         raise UsageError("--no-baseline needs a --draft: there would be nothing to run")
     if sweep and draft is None:

@@ -17,12 +17,11 @@ from rich.live import Live
 from ..errors import ContextFullError, UsageError
 from ..native.chat import HELP, AnswerProgress, ChatSession, Command, apply_setting, open_chat, panel_data, \
     parse_command
-from ..native.demo import demo_pair
 from ..native.placement import resolve_placement
-from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, ThreadsDraftOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, MainGpuOpt, MinPOpt,
-                      NglDraftOpt, NglOpt, PairOpt, PMinOpt, Quiet, SeedOpt, TargetOpt, TempOpt, TensorSplitOpt,
-                      ThreadsOpt, TopKOpt, TopPOpt, VramBudgetOpt, Verbose, handle_errors, resolve_pair,
-                      settings_from_flags, setup_logging)
+from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt,
+                      handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt, PairOpt, PMinOpt,
+                      Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
+                      TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt)
 from .chat_view import StreamBuffer, build_panel, stats_table
 
 REFRESH_S = 1 / 15  # the panel redraws at most this often; the tokens themselves are printed as they come
@@ -229,10 +228,7 @@ def main(
                                    accept=accept)
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1 ({threads})")
-    if target is None:
-        if draft is not None:
-            raise UsageError("--draft needs --target; omit both for the demo pair")
-        target, draft = demo_pair()
+    target, draft = models_or_demo(target, draft)
     placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
                                   device=device, draft_device=draft_device)

@@ -11,12 +11,12 @@ import typer
 from rich.table import Table
 
 from ..errors import UsageError
-from ..native.demo import demo_pair
 from ..native.engine import DRAFT_MAX_CAP, Engine
 from ..native.tune import DEFAULT_PROMPTS, TuneResult, calibrate, write_tuned
 from ..native.placement import resolve_placement
-from ._common import (DeviceOpt, DraftDeviceOpt, DraftOpt, MainGpuOpt, NglDraftOpt, NglOpt, PairOpt, Quiet, TargetOpt,
-                      TensorSplitOpt, ThreadsOpt, VramBudgetOpt, Verbose, err, handle_errors, out, setup_logging)
+from ._common import (DeviceOpt, DraftDeviceOpt, DraftOpt, err, handle_errors, MainGpuOpt, models_or_demo,
+                      NglDraftOpt, NglOpt, out, PairOpt, Quiet, setup_logging, TargetOpt, TensorSplitOpt, ThreadsOpt,
+                      Verbose, VramBudgetOpt)
 
 
 def render(result: TuneResult) -> Table:
@@ -78,10 +78,7 @@ def main(
 
         p = load_pair(pair)
         target, draft = p.target_path, p.draft_path
-    elif target is None:
-        if draft is not None:
-            raise UsageError("--draft needs --target; omit both for the demo pair")
-        target, draft = demo_pair()
+    target, draft = models_or_demo(target, draft)
     if draft is None:
         raise UsageError("tune needs a draft model; pass --draft (or a --pair with a draft)")
     placement = resolve_placement(str(target), str(draft), ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
