@@ -15,7 +15,7 @@ from ..native.engine import DRAFT_MAX_CAP, Engine
 from ..native.tune import DEFAULT_PROMPTS, TuneResult, calibrate, write_tuned
 from ..native.placement import resolve_placement
 from ._common import (DeviceOpt, DraftDeviceOpt, DraftOpt, err, handle_errors, MainGpuOpt, models_or_demo,
-                      NglDraftOpt, NglOpt, out, PairOpt, Quiet, setup_logging, TargetOpt, TensorSplitOpt, ThreadsOpt,
+                      NglDraftOpt, NglOpt, out, PairOpt, Quiet, resolve_pair, setup_logging, TargetOpt, TensorSplitOpt, ThreadsOpt,
                       Verbose, VramBudgetOpt)
 
 
@@ -44,6 +44,7 @@ def recommendation(result: TuneResult) -> str:
 
 @handle_errors
 def main(
+    click_ctx: typer.Context,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     pair: PairOpt = None,
@@ -71,13 +72,7 @@ def main(
         raise UsageError(f"--n-predict must be at least 2 ({n_predict})")
     if write and pair is None:
         raise UsageError("--write needs --pair: the result is stored in the pair's manifest")
-    if pair is not None:
-        if target or draft:
-            raise UsageError("give --pair or --target/--draft, not both")
-        from ..convert.manifest import load_pair
-
-        p = load_pair(pair)
-        target, draft = p.target_path, p.draft_path
+    target, draft, _ = resolve_pair(pair, target, draft, click_ctx)
     target, draft = models_or_demo(target, draft)
     if draft is None:
         raise UsageError("tune needs a draft model; pass --draft (or a --pair with a draft)")
