@@ -1,11 +1,14 @@
 """Adaptive draft length: choose each step's k to maximise expected tokens per second.
 
 Online estimates (all from the running generation): the conditional acceptance at each draft position
-(decayed counts with the pooled rate as prior), the draft cost per token, and the verify cost as a
-function of batch size (per-size running means, a least-squares line for sizes not yet seen).
+(decayed counts, each position shrunk towards the one before it and never below the pooled rate), the
+draft's cost (its first token, which also pays the catch-up on the last step's accepted tokens, and each
+further token), and the verify cost as a function of batch size (per-size running means; for sizes not
+yet seen a least-squares line through the measured batches, b = 1 apart: a single-token decode runs other
+kernels, so its cost says little about a batch's slope).
 Expected tokens of a step with k drafted = 1 + Σ_j Π_{i≤j} α_i (BRIEF.md's (1−α^(k+1))/(1−α) with one
-α per position); its time = k·t_draft + V(k+1) + overhead. k = 0 is plain decoding; while it wins,
-a short probe runs every `probe_interval` steps (doubling while probes keep failing) to come back.
+α per position); its time = t_first + (k−1)·t_draft + V(k+1) + overhead. k = 0 is plain decoding; while
+it wins, a short probe runs every `probe_interval` steps (doubling while probes keep failing) to come back.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ class AdaptiveSnapshot:
     """What the controller believes now (for `specq tune` and stats)."""
 
     alpha: tuple[float, ...]  # conditional acceptance at positions 1..cap
-    draft_ms_per_token: float | None
+    draft_ms_per_token: float | None  # each drafted token after the first
+    first_draft_ms: float | None  # the first drafted token of a step, the draft's catch-up included
     verify_ms: dict[int, float]  # measured batch size → mean ms
     overhead_ms: float
     best_k: int
@@ -26,8 +30,12 @@ class AdaptiveSnapshot:
     n_probes: int
 
 
-def best_draft_length(alphas, t_draft: float, verify_s, overhead: float = 0.0) -> tuple[int, float]:
-    """(k, tokens/s) maximising E(k)/T(k) over k = 0..len(alphas); alphas are conditional per position."""
+def best_draft_length(alphas, t_draft: float, verify_s, overhead: float = 0.0,
+                      t_first: float | None = None) -> tuple[int, float]:
+    """(k, tokens/s) maximising E(k)/T(k) over k = 0..len(alphas); alphas are conditional per position.
+
+    A step drafting k tokens costs t_first + (k-1)·t_draft of drafting (t_first defaults to t_draft)."""
+    first = t_draft if t_first is None else t_first
     best_k, best = 0, 1.0 / (verify_s(1) + overhead)
     tokens, prod = 1.0, 1.0
     for k, a in enumerate(alphas, start=1):
@@ -35,23 +43,27 @@ def best_draft_length(alphas, t_draft: float, verify_s, overhead: float = 0.0) -
         if prod < 1e-4:
             break
         tokens += prod
-        rate = tokens / (k * t_draft + verify_s(k + 1) + overhead)
+        rate = tokens / (first + (k - 1) * t_draft + verify_s(k + 1) + overhead)
         if rate > best:
             best_k, best = k, rate
     return best_k, best
 
 
 class AdaptiveDraft:
-    def __init__(self, cap: int, cost_ratio_prior: float = 0.2, decay: float = 0.92, prior_weight: float = 2.0,
+    def __init__(self, cap: int, cost_ratio_prior: float = 0.2, decay: float = 0.92, prior_weight: float = 4.0,
                  probe_min: int = 16, probe_max: int = 64, probe_k: int = 1, ema: float = 0.2,
-                 probe_budget: float = 0.02):
+                 probe_budget: float = 0.02, alpha_prior: float = 0.75):
         self.cap = cap
         self.decay = decay
         self.w = prior_weight
+        # Before any step: a vocabulary-aligned draft usually agrees on most tokens, so start drafting a
+        # few; two pseudo-observations, so the first steps' outcomes take over at once.
+        self.alpha_prior = alpha_prior
         self.succ = [0.0] * cap
         self.trials = [0.0] * cap
         self.ratio_prior = cost_ratio_prior
-        self.t_draft: float | None = None  # seconds per drafted token
+        self.t_draft: float | None = None  # seconds per drafted token after the first
+        self.t_first: float | None = None  # seconds to the first drafted token (catch-up included)
         self.v_mean: dict[int, float] = {}  # batch size → running mean of verify seconds
         self.overhead = 0.0
         self.ema = ema
@@ -66,26 +78,47 @@ class AdaptiveDraft:
 
     # -- estimates ------------------------------------------------------------------------------
     def alphas(self) -> list[float]:
-        pooled = (sum(self.succ) + 1.0) / (sum(self.trials) + 2.0)
-        return [(s + self.w * pooled) / (t + self.w) for s, t in zip(self.succ, self.trials)]
+        # Position 1 shrinks to the pooled rate; each later one to its predecessor's estimate (the
+        # conditional rate after j accepted tokens rarely falls with j), so positions never tried inherit it,
+        # but never to less than the pooled rate: one early rejection far out must not keep drafts short.
+        pooled = (sum(self.succ) + 2.0 * self.alpha_prior) / (sum(self.trials) + 2.0)
+        prev, out = pooled, []
+        for s, t in zip(self.succ, self.trials):
+            prev = (s + self.w * max(prev, pooled)) / (t + self.w)
+            out.append(prev)
+        return out
 
     def verify_s(self, b: int) -> float:
+        # A single-token decode runs other kernels than a batch, so b = 1 stands alone; sizes not measured
+        # yet come from a line through the measured batches (flat from one: optimistic, so it gets tried).
         # Verifying more tokens never costs less than one: a noisy reading must not make drafting look free.
-        floor = self.v_mean.get(1, 0.0) if b > 1 else 0.0
+        one = self.v_mean.get(1)
+        floor = one if one is not None and b > 1 else 0.0
         v = self.v_mean.get(b)
         if v is not None:
             return max(v, floor)
+        if b == 1:
+            return min(self.v_mean.values()) if self.v_mean else 1.0
         if self._line is None:
-            return max(next(iter(self.v_mean.values()), 1.0), floor)  # nothing or one size measured: flat
+            batches = [x for bb, x in self.v_mean.items() if bb > 1]
+            return max(min(batches) if batches else (one or 1.0), floor)
         a, s = self._line
         return max(a + s * b, floor, 1e-9)
 
     def draft_s(self) -> float:
-        return self.t_draft if self.t_draft is not None else self.ratio_prior * self.verify_s(1)
+        """Seconds per drafted token after the first."""
+        if self.t_draft is not None:
+            return self.t_draft
+        return self.t_first if self.t_first is not None else self.ratio_prior * self.verify_s(1)
+
+    def first_s(self) -> float:
+        """Seconds to the first drafted token of a step."""
+        return self.t_first if self.t_first is not None else self.draft_s()
 
     def expected(self, limit: int) -> tuple[int, float]:
         """(best k ≤ limit, its expected tokens per second)."""
-        return best_draft_length(self.alphas()[:limit], self.draft_s(), self.verify_s, self.overhead)
+        return best_draft_length(self.alphas()[:limit], self.draft_s(), self.verify_s, self.overhead,
+                                 self.first_s())
 
     # -- decisions ------------------------------------------------------------------------------
     def choose(self, limit: int) -> int:
@@ -109,12 +142,13 @@ class AdaptiveDraft:
 
     def _could_pay(self, limit: int) -> bool:
         """Whether drafting could beat plain decoding even at perfect acceptance, with the measured costs."""
-        return best_draft_length([1.0] * limit, self.draft_s(), self.verify_s, self.overhead)[0] > 0
+        return best_draft_length([1.0] * limit, self.draft_s(), self.verify_s, self.overhead, self.first_s())[0] > 0
 
     def observe(self, n_drafted: int, n_accepted: int, draft_token_s: float | None, verify_s: float,
-                overhead_s: float, draft_s: float | None = None) -> None:
-        """Record one step: `draft_token_s` is the measured seconds per drafted token (None: not measured);
-        `draft_s` the step's whole drafting time (with the draft's catch-up after plain steps)."""
+                overhead_s: float, draft_s: float | None = None, first_token_s: float | None = None) -> None:
+        """Record one step: `draft_token_s` is the measured seconds per drafted token after the first and
+        `first_token_s` the seconds to the first (None: not measured cleanly); `draft_s` the step's whole
+        drafting time (with the draft's catch-up after plain steps)."""
         if self._probing:
             # A probe after a plain stretch also pays the draft's catch-up: space probes so that their
             # extra cost stays within probe_budget of plain decoding.
@@ -133,28 +167,33 @@ class AdaptiveDraft:
             if n_accepted < n_drafted:
                 self.trials[n_accepted] += 1.0
         if draft_token_s is not None:
-            self.t_draft = draft_token_s if self.t_draft is None else \
-                self.t_draft + self.ema * (draft_token_s - self.t_draft)
+            self.t_draft = self._mean(self.t_draft, draft_token_s)
+        if first_token_s is not None:
+            self.t_first = self._mean(self.t_first, first_token_s)
         b = n_drafted + 1
         old = self.v_mean.get(b)
-        self.v_mean[b] = verify_s if old is None else old + self.ema * (verify_s - old)
+        self.v_mean[b] = self._mean(old, verify_s)
         self.overhead += self.ema * (overhead_s - self.overhead)
-        if old is None or len(self.v_mean) >= 2:
+        if b > 1:
             self._refit()
 
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.ema * (new - old)
+
     def _refit(self) -> None:
-        if len(self.v_mean) < 2:
+        pts = [(b, v) for b, v in self.v_mean.items() if b > 1]
+        if len(pts) < 2:
             self._line = None
             return
-        xs, ys = list(self.v_mean), list(self.v_mean.values())
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx, 0.0)
+        mx, my = sum(b for b, _ in pts) / len(pts), sum(v for _, v in pts) / len(pts)
+        sxx = sum((b - mx) ** 2 for b, _ in pts)
+        slope = max(sum((b - mx) * (v - my) for b, v in pts) / sxx, 0.0)
         self._line = (my - slope * mx, slope)
 
     def snapshot(self, limit: int | None = None) -> AdaptiveSnapshot:
         k, _ = self.expected(self.cap if limit is None else limit)
         return AdaptiveSnapshot(
             alpha=tuple(self.alphas()), draft_ms_per_token=None if self.t_draft is None else self.t_draft * 1e3,
+            first_draft_ms=None if self.t_first is None else self.t_first * 1e3,
             verify_ms={b: v * 1e3 for b, v in sorted(self.v_mean.items())}, overhead_ms=self.overhead * 1e3,
             best_k=k, n_plain_steps=self.n_plain_steps, n_probes=self.n_probes)

@@ -285,7 +285,8 @@ class _Step:
     n_drafted: int
     draft_s: float
     verify_s: float
-    draft_token_s: float | None = None  # seconds per drafted token, where measured cleanly
+    first_token_s: float | None = None  # seconds to the first drafted token (catch-up included), where clean
+    draft_token_s: float | None = None  # seconds per further drafted token, where measured
 
 
 class _Sampling:
@@ -316,6 +317,7 @@ class Session:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.history: list[int] = []
+        self._controllers: dict[tuple, AdaptiveDraft] = {}
         self.tgt = _Cache(engine.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
         self.dft = (_Cache(engine.dft_ctx, partial_rm=not engine.draft.is_recurrent_or_hybrid)
                     if engine.dft_ctx is not None else None)
@@ -333,12 +335,24 @@ class Session:
     def n_ctx(self) -> int:
         return self.engine.n_ctx
 
+    def controller(self, s: GenerationSettings) -> AdaptiveDraft:
+        """The draft_max="auto" controller for these sampling settings. It lives as long as the session
+        (reset() included): costs and acceptance belong to the pair and the machine, not to one prompt, so
+        later generations start from what earlier ones measured instead of from a prior."""
+        key = (s.draft_cap, s.accept_mode, s.temp, s.top_k, s.top_p, s.min_p, s.p_min)
+        if key not in self._controllers:
+            eng = self.engine
+            ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1)
+            self._controllers[key] = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio)
+        return self._controllers[key]
+
     # ==== the speculative step ================================================================
-    def _draft(self, n_max: int, p_min: float, samp: "_Sampling") -> tuple[list[int], list[SparseDist], float]:
+    def _draft(self, n_max: int, p_min: float, samp: "_Sampling") -> tuple[list[int], list[SparseDist], tuple]:
         """Draft up to n_max tokens: greedy, or sampled from the draft's transformed distribution (rejection).
 
         Stops early when the draft's top probability < p_min. Returns (tokens, their distributions in
-        rejection mode, seconds per drafted token measured on single-token decodes or None).
+        rejection mode, (seconds to the first token, seconds per further token)): the first includes a short
+        catch-up (None after a long one, which is prefill-like); the second is None below two tokens.
         """
         dft = self.dft
         t_start = time.perf_counter()
@@ -367,17 +381,14 @@ class Session:
             if len(drafts) >= n_max:
                 break
             dft.extend([tok], logits="last")
-        # Cost per drafted token: the single-token decodes, or one short catch-up (long ones are prefill-like).
-        per_token = None
-        if len(drafts) >= 2:
-            per_token = (time.perf_counter() - t_loop) / (len(drafts) - 1)
-        elif drafts and catchup <= 2:
-            per_token = time.perf_counter() - t_start
-        return drafts, dists, per_token
+        # first + (k-1)·per_token is the step's drafting time: the catch-up decode yields the first token
+        first = t_loop - t_start if drafts and catchup <= 2 else None
+        per_token = (time.perf_counter() - t_loop) / (len(drafts) - 1) if len(drafts) >= 2 else None
+        return drafts, dists, (first, per_token)
 
     def _step(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int) -> "_Step":
         t0 = time.perf_counter()
-        drafts, q, per_token = self._draft(n_draft_max, s.p_min, samp) if n_draft_max > 0 else ([], [], None)
+        drafts, q, costs = self._draft(n_draft_max, s.p_min, samp) if n_draft_max > 0 else ([], [], (None, None))
         if len(drafts) < s.draft_min:
             drafts, q = [], []
         t1 = time.perf_counter()
@@ -400,7 +411,7 @@ class Session:
                 if i == len(drafts) or tok != drafts[i]:
                     break
         t2 = time.perf_counter()
-        return _Step(emitted, len(drafts), t1 - t0, t2 - t1, per_token)
+        return _Step(emitted, len(drafts), t1 - t0, t2 - t1, *costs)
 
     def _rewind(self) -> None:
         """Roll both memories back to the committed history (the target holds all but the last token)."""
@@ -450,6 +461,8 @@ class _Progress:
     t_gen0: float | None = None
     decode0: float = 0.0
     restores0: int = 0
+    plain0: int = 0  # the controller's counters when this generation began (it outlives generations)
+    probes0: int = 0
 
 
 class Generation:
@@ -485,8 +498,8 @@ class Generation:
             n_restores=self.session.tgt.n_restores - p.restores0, stop_reason=stop,
             accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
                 "greedy" if s.temp <= 0 else "sample"),
-            sample_ms=samp.sample_s * 1e3 if samp else 0.0, n_plain_steps=ctrl.n_plain_steps if ctrl else 0,
-            n_probes=ctrl.n_probes if ctrl else 0)
+            sample_ms=samp.sample_s * 1e3 if samp else 0.0,
+            n_plain_steps=ctrl.n_plain_steps - p.plain0 if ctrl else 0, n_probes=ctrl.n_probes - p.probes0 if ctrl else 0)
 
     def snapshot(self) -> GenerationStats:
         """The stats so far (stop_reason "running"); the final ones once the generation has ended."""
@@ -503,11 +516,10 @@ class Generation:
         p.prompt_s = time.perf_counter() - tp0
 
         samp = self._samp = _Sampling(s, self.speculative)
-        ctrl = None
-        if self.speculative and s.adaptive:
-            ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1)
-            ctrl = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio)
+        ctrl = ses.controller(s) if self.speculative and s.adaptive else None
         self.controller = ctrl
+        if ctrl is not None:
+            p.plain0, p.probes0 = ctrl.n_plain_steps, ctrl.n_probes
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         stop = "interrupted"
         p.decode0 = sum(c.decode_s for c in self._ctxs)
@@ -555,7 +567,8 @@ class Generation:
                 ses._rewind()
                 if ctrl is not None:
                     ctrl.observe(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
-                                 time.perf_counter() - t_step - step.draft_s - step.verify_s, step.draft_s)
+                                 time.perf_counter() - t_step - step.draft_s - step.verify_s, step.draft_s,
+                                 step.first_token_s)
                 yield from events
                 if done:
                     stop = done

@@ -119,9 +119,49 @@ def test_engine_auto_with_perfect_cheap_draft_drafts_and_accepts(pairs):
 def test_a_noisy_cheap_reading_of_a_big_verify_does_not_make_drafting_look_free():
     from specq.native.adaptive import AdaptiveDraft
 
-    c = AdaptiveDraft(cap=4, cost_ratio_prior=0.25)
+    c = AdaptiveDraft(cap=4, cost_ratio_prior=0.5)
     for _ in range(20):  # plain decoding: one-token verifies at 10 ms
         c.observe(0, 0, None, 0.010, 0.0)
-    c.observe(1, 0, 0.0025, 0.006, 0.0)  # one probe whose 2-token verify happened to read 6 ms (noise)
+    # one probe (5 ms of drafting) whose 2-token verify happened to read 6 ms (noise)
+    c.observe(1, 0, None, 0.006, 0.0, draft_s=0.005, first_token_s=0.005)
     assert c.verify_s(2) >= c.verify_s(1)
-    assert c.choose(4) == 0  # a draft that was just rejected is not worth 0.25 of a step plus a verify
+    # a draft that was just rejected is not worth half a step plus a verify (at 6 ms it would look so)
+    assert c.choose(4) == 0
+
+
+def test_a_single_token_verify_does_not_set_the_slope_of_batch_verifies():
+    # CPU-like costs: one token runs other kernels (18 ms); a batch costs 28 ms plus 2.5 ms a token.
+    # A line through b=1 and b=2 would price a 9-token verify at ~100 ms and keep the draft short.
+    verify = lambda b: 18.0 if b == 1 else 28.0 + 2.5 * (b - 2)  # noqa: E731
+    c, ks, tps = simulate(0.98, draft_ms=7.6, verify_ms=verify, steps=60)
+    assert np.median(ks[5:]) >= 8, ks
+    assert c.verify_s(12) < 0.060  # a line through the batches only: 28 + 2.5·10 = 53 ms
+
+
+def test_positions_never_tried_inherit_the_last_tried_position_not_the_pooled_rate():
+    c = AdaptiveDraft(cap=8)
+    for i in range(20):  # every other step rejects at position 1; past it, every token is accepted
+        c.observe(3, 0 if i % 2 else 3, 0.001, 0.01, 0.0)
+    a = c.alphas()
+    assert 0.35 < a[0] < 0.65 and a[2] > 0.9
+    assert a[5] > 0.85  # the pooled rate (~0.75 here) would give ~0.75
+
+
+def test_the_controller_outlives_a_generation_and_counts_per_generation(pairs):
+    e = pairs["unrelated"]
+    ses = e.session()
+    toks = e.tokenize("The quick brown fox")
+    auto = GenerationSettings(n_predict=48, draft_max="auto")
+    g1 = ses.generate(toks, auto).run()
+    ctrl = g1.controller
+    assert ctrl is not None and ctrl.t_first is not None  # it measured the draft in the first generation
+    plain_after_first = ctrl.n_plain_steps
+    assert 0 < g1.stats.n_plain_steps == plain_after_first
+    ses.reset()  # a new conversation: the caches go, what was measured about the pair stays
+    g2 = ses.generate(toks, auto).run()
+    assert g2.controller is ctrl
+    assert g2.stats.n_plain_steps == ctrl.n_plain_steps - plain_after_first > 0  # its own steps only
+    assert g2.stats.n_drafted < g1.stats.n_drafted  # no first steps spent learning the draft is useless
+    # other sampling settings: acceptance differs, so another controller
+    g3 = ses.generate(toks, GenerationSettings(n_predict=8, draft_max="auto", temp=1.0)).run()
+    assert g3.controller is not ctrl
