@@ -59,17 +59,21 @@ def _pct(v) -> str:
     return "–" if v is None else f"{100 * v:.1f}%"
 
 
-def parse_list(flag: str, text: str | None, conv) -> list:
+def parse_list(flag: str, text: str | None, conv, what: str = "numbers") -> list:
     """'1,2,4' → [1, 2, 4]; a bad item is a usage error naming the flag."""
     if text is None:
         return []
     try:
         vals = [conv(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise UsageError(f"{flag} takes a comma-separated list of numbers ({text}); e.g. {flag} 1,2,4,8")
+        raise UsageError(f"{flag} takes a comma-separated list of {what} ({text}); e.g. {flag} 1,2,4,8")
     if not vals:
         raise UsageError(f"{flag} is empty ({text!r}); e.g. {flag} 1,2,4,8")
     return list(dict.fromkeys(vals))
+
+
+def _draft_max_item(text: str) -> int | str:
+    return "auto" if text.strip() == "auto" else int(text)
 
 
 def _agg(rows: list[dict], key: str):
@@ -167,12 +171,32 @@ def summary_line(doc: dict) -> str:
     return " · ".join(parts)
 
 
+def divergence_lines(doc: dict) -> list[str]:
+    """One line per prompt whose greedy speculative output differs from the baseline: where, and why."""
+    lines = []
+    for d in doc.get("divergences") or []:
+        name = d["prompt_name"] or f"#{d['prompt_index']}"
+        where = (f"prompt {name} (draft-max {d['draft_max']}): output first differs at generated token "
+                 f"{d['token_index']}")
+        if d["margin"] is None:
+            lines.append(f"{where}, where one run stopped and the other did not")
+        elif d["near_tie"]:
+            lines.append(f"{where}, a near tie (target logits {d['baseline_logit']:.3f} vs "
+                         f"{d['speculative_logit']:.3f}): batched and single-token evaluation round it differently; "
+                         "not a bug (docs/troubleshooting.md)")
+        else:
+            lines.append(f"{where} and the target's logits there are {abs(d['margin']):.2f} apart: NOT a near tie, "
+                         "this is a bug; please report it with this JSON")
+    return lines
+
+
 def report(doc: dict) -> Group:
     """Everything the human sees after a run, as one renderable."""
     parts = [render_table(doc)]
     if doc.get("sweep"):
         parts.append(render_sweep(doc))
     parts.append(Text(summary_line(doc)))
+    parts.extend(Text(line) for line in divergence_lines(doc))
     for extra in (cost_line(doc["summary"]), histogram(doc["summary"]), recommendation_line(doc)):
         if extra:
             parts.append(extra if isinstance(extra, Text) else Text(extra))
@@ -221,7 +245,8 @@ def main(
     repeat: Annotated[int, typer.Option(help="Repeats per prompt (medians are reported).")] = 1,
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the target-alone runs.")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the results as JSON to PATH, or - for stdout.")] = None,
-    sweep_draft_max: Annotated[Optional[str], typer.Option(help="Sweep draft-max over a list, e.g. 1,2,4,8.")] = None,
+    sweep_draft_max: Annotated[Optional[str], typer.Option(
+        help="Sweep draft-max over a list, e.g. 1,2,4,8 (auto may be one of them).")] = None,
     sweep_p_min: Annotated[Optional[str], typer.Option(help="Sweep p-min over a list, e.g. 0,0.5,0.9.")] = None,
     prompt_set: Annotated[Optional[str], typer.Option(help="A built-in prompt set: default (code, chat, reasoning, "
                                                             "Chinese, a long-document summary).")] = None,
@@ -244,7 +269,7 @@ def main(
     if prompt_set is not None and (prompt or prompt_file):
         raise UsageError("give --prompt-set, --prompt or --prompt-file, not several")
     names, prompts = load_prompt_set(prompt_set) if prompt_set is not None else ((), read_prompts(prompt, prompt_file))
-    ks = parse_list("--sweep-draft-max", sweep_draft_max, int) or [settings.draft_max]
+    ks = parse_list("--sweep-draft-max", sweep_draft_max, _draft_max_item, "numbers or auto") or [settings.draft_max]
     pmins = parse_list("--sweep-p-min", sweep_p_min, float) or [settings.p_min]
     sweep = tuple((k, p) for k in ks for p in pmins) if (sweep_draft_max or sweep_p_min) else ()
     for k, p in sweep:  # fail before loading any model

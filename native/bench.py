@@ -90,6 +90,8 @@ def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, setti
         "accepted_per_pos": list(st.accepted_per_pos) if spec else None,
         "draft_ms": st.draft_ms if spec else None,
         "verify_ms": st.verify_ms if spec else None,
+        "n_plain_steps": st.n_plain_steps if spec else None,  # draft_max=auto: steps it chose not to draft
+        "n_probes": st.n_probes if spec else None,
         "decode_ms": st.decode_ms, "overhead_fraction": st.overhead_fraction, "stop_reason": st.stop_reason,
     }
     return row
@@ -196,6 +198,40 @@ def model_record(engine: Engine, which: str) -> dict:
     return {"path": info.path, "size_bytes": info.size_bytes, "n_params": info.n_params}
 
 
+# Two tokens whose target logits are closer than this are a near tie: llama.cpp's batched (verify) and
+# single-token (plain) kernels round differently (here up to ~0.05 on a CPU, F32 weights, F16 KV cache),
+# so greedy speculative output can take the other branch there. A wider gap means a bug.
+NEAR_TIE_LOGITS = 0.5
+
+
+def first_divergences(eng: Engine, prompts: list[list[int]], runs: list[dict]) -> list[dict]:
+    """For each prompt whose greedy speculative output differs from its baseline: where it first differs, and the
+    target's logits of the two tokens there (one evaluation of the common prefix)."""
+    out = []
+    for pi, toks in enumerate(prompts):
+        base = next((r for r in runs if r["mode"] == "baseline" and r["prompt_index"] == pi), None)
+        spec = next((r for r in runs if r["mode"] == "speculative" and r["prompt_index"] == pi
+                     and r["tokens"] != (base or {}).get("tokens")), None)
+        if base is None or spec is None:
+            continue
+        a, b = base["tokens"], spec["tokens"]
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        row = {"prompt_index": pi, "prompt_name": spec["prompt_name"], "draft_max": spec["draft_max"],
+               "repeat": spec["repeat"], "token_index": i,
+               "baseline_token": a[i] if i < len(a) else None, "speculative_token": b[i] if i < len(b) else None,
+               "baseline_logit": None, "speculative_logit": None, "margin": None, "near_tie": None}
+        if row["baseline_token"] is not None and row["speculative_token"] is not None:
+            ctx = eng.tgt_ctx
+            ctx.clear()
+            ctx.decode(toks + a[:i], 0, logits="last")
+            logits = ctx.logits(1)[0]
+            la, lb = float(logits[a[i]]), float(logits[b[i]])
+            row.update(baseline_logit=la, speculative_logit=lb, margin=la - lb,
+                       near_tie=abs(la - lb) < NEAR_TIE_LOGITS)
+        out.append(row)
+    return out
+
+
 def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
               engine_factory: Callable[..., Engine] | None = None) -> dict:
     """Run baseline and speculative (each sweep point) alternately per prompt and repeat; return the JSON document."""
@@ -230,6 +266,8 @@ def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
                                                and (r["draft_max"], r["p_min"]) == (k, p)], cfg.settings.temp, k, p)}
                  for k, p in points]
         best = recommend(sweep) if cfg.sweep else None
+        diverged = first_divergences(eng, prompts, runs) if cfg.settings.temp == 0 and cfg.draft else []
+        session.reset()
         main = next((pt for pt in sweep if best and (pt["draft_max"], pt["p_min"]) == (best["draft_max"], best["p_min"])),
                     sweep[0])
         doc = {
@@ -242,6 +280,9 @@ def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
             "runs": runs,
             # Without a sweep: the one point. With one: the recommended point; every point is in `sweep`.
             "summary": main["summary"],
+            # Greedy runs only: per prompt whose speculative output differs from the baseline, the first
+            # difference and the target's logit margin there (near_tie: numerics, not a bug).
+            "divergences": diverged,
         }
         if cfg.sweep:
             doc["sweep"] = sweep

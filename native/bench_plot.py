@@ -1,4 +1,5 @@
-"""`specq bench --plot`: tokens/s and acceptance against draft-max, one line per p-min (matplotlib, optional)."""
+"""`specq bench --plot`: tokens/s and acceptance against draft-max, one line per p-min (matplotlib, optional);
+a draft-max "auto" point, which has no single draft length, is a dotted level line."""
 
 from __future__ import annotations
 
@@ -29,7 +30,15 @@ def plot_sweep(doc: dict, path: str | os.PathLike) -> Path:
                                    "summary": doc["summary"]}]
     fig, (ax_tps, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     for p_min in sorted({p["p_min"] for p in points}):
-        pts = sorted((p for p in points if p["p_min"] == p_min), key=lambda p: p["draft_max"])
+        for p in points:
+            if p["p_min"] == p_min and p["draft_max"] == "auto":
+                ax_tps.axhline(p["summary"]["speculative_tokens_per_s"], linestyle=":", color="black",
+                               label=f"auto, p-min {p_min:g}")
+                if p["summary"].get("alpha") is not None:
+                    ax_acc.axhline(100 * p["summary"]["alpha"], linestyle=":", color="black",
+                                   label=f"auto, p-min {p_min:g}")
+        pts = sorted((p for p in points if p["p_min"] == p_min and p["draft_max"] != "auto"),
+                     key=lambda p: p["draft_max"])
         ks = [p["draft_max"] for p in pts]
         tps = [p["summary"]["speculative_tokens_per_s"] for p in pts]
         acc = [None if p["summary"].get("alpha") is None else 100 * p["summary"]["alpha"] for p in pts]
@@ -42,7 +51,7 @@ def plot_sweep(doc: dict, path: str | os.PathLike) -> Path:
     ax_acc.set(xlabel="draft-max", ylabel="acceptance (%)", title="acceptance", ylim=(0, 105))
     for ax in (ax_tps, ax_acc):
         ax.grid(alpha=0.3)
-        ax.set_xticks(sorted({p["draft_max"] for p in points}))
+        ax.set_xticks(sorted({p["draft_max"] for p in points if p["draft_max"] != "auto"}))
         ax.legend(fontsize="small")
     fig.suptitle(f"specq bench: {Path(doc['target']['path']).name}"
                  + (f" + {Path(doc['draft']['path']).name}" if doc.get("draft") else ""), fontsize="medium")

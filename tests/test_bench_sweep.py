@@ -135,6 +135,11 @@ def test_cost_line_histogram_and_recommendation_are_pure():
     assert recommendation_line({"recommendation": None}) is None
 
 
+def test_sweep_draft_max_takes_auto_and_rejects_other_words():
+    r = runner.invoke(app, ["bench", "--sweep-draft-max", "2,sometimes"])
+    assert r.exit_code == 2 and "--sweep-draft-max takes a comma-separated list of numbers or auto" in r.stderr
+
+
 def test_parse_list():
     assert parse_list("--sweep-draft-max", "1,2, 4,2", int) == [1, 2, 4]
     assert parse_list("--x", None, int) == []
@@ -181,19 +186,21 @@ def test_sweep_on_tiny_models_with_prompt_set_csv_and_plot(tiny_target, tiny_clo
     png, out, table = tmp_path / "s.png", tmp_path / "s.json", tmp_path / "s.csv"
     r = runner.invoke(app, ["bench", "--target", str(tiny_target), "--draft", str(tiny_close), "--threads", "1",
                             "--ctx", "4096", "--prompt-set", "default", "--n-predict", "16",
-                            "--sweep-draft-max", "1,4", "--sweep-p-min", "0,0.5", "--json", str(out),
+                            "--sweep-draft-max", "1,4,auto", "--sweep-p-min", "0,0.5", "--json", str(out),
                             "--csv", str(table), "--plot", str(png)])
     assert r.exit_code == 0, r.output
     doc = json.loads(out.read_text())
     assert [p["name"] for p in doc["prompts"]] == ["code", "chat", "reasoning", "chinese", "summary"]
-    assert len(doc["sweep"]) == 4 and doc["recommendation"]["draft_max"] in (1, 4)
+    assert [pt["draft_max"] for pt in doc["sweep"]] == [1, 1, 4, 4, "auto", "auto"]
+    assert doc["recommendation"]["draft_max"] in (1, 4, "auto")
     for pt in doc["sweep"]:
         assert pt["summary"]["identical_output"] is True  # every point is exact
+    assert doc["divergences"] == []
     assert set(doc["summary"]) >= {"baseline_tokens_per_s", "speculative_tokens_per_s", "speedup", "accept_rate",
                                    "mean_accepted_per_step", "identical_output", "ideal_speedup", "cost_ratio",
                                    "verify_cost", "accepted_per_pos", "speculative_tokens_per_s_min",
                                    "speculative_tokens_per_s_max"}
-    assert len(list(csv.reader(table.open()))) == 1 + len(doc["runs"]) == 1 + 5 * 5
+    assert len(list(csv.reader(table.open()))) == 1 + len(doc["runs"]) == 1 + 5 * 7
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "recommended for this pair and prompts" in r.stdout
 
@@ -239,3 +246,37 @@ def test_pair_with_a_changed_file_is_refused(tiny_target, tiny_close, tmp_path, 
     r = runner.invoke(app, base)
     assert r.exit_code == 1
     assert "does not match its checksum" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_divergence_is_located_and_judged_by_the_target_logit_margin(tiny_target):
+    """A speculative run whose tokens differ from the baseline's: the report names the first differing token and
+    the target's logits of both tokens there; close logits read as a near tie, distant ones as a bug."""
+    import numpy as np
+
+    from specq.cli.bench import divergence_lines
+    from specq.native.engine import Engine, GenerationSettings
+
+    with Engine(tiny_target, None, ctx=256, threads=1) as eng:
+        toks = eng.tokenize("The quick brown fox")
+        base = eng.session().generate(toks, GenerationSettings(n_predict=12), speculative=False).run().tokens
+        assert len(set(base)) > 3  # not degenerate
+        eng.tgt_ctx.clear()
+        eng.tgt_ctx.decode(toks + base[:5], 0, logits="last")
+        row = eng.tgt_ctx.logits(1)[0].copy()
+        order = [int(t) for t in np.argsort(row)[::-1] if int(t) != base[5]]
+        close, far = order[0], order[-1]  # the runner-up, and the least likely token
+        runs = [{"mode": "baseline", "prompt_index": 0, "prompt_name": "p", "repeat": 0, "draft_max": None,
+                 "tokens": base}]
+        for tok in (close, far):
+            runs.append({"mode": "speculative", "prompt_index": 0, "prompt_name": "p", "repeat": 0, "draft_max": 4,
+                         "tokens": base[:5] + [tok] + base[6:]})
+            (d,) = bench_lib.first_divergences(eng, [toks], runs)
+            runs.pop()
+            assert (d["token_index"], d["baseline_token"], d["speculative_token"]) == (5, base[5], tok)
+            assert d["margin"] == pytest.approx(row[base[5]] - row[tok], abs=1e-3) and d["margin"] >= 0
+            assert d["near_tie"] == (d["margin"] < bench_lib.NEAR_TIE_LOGITS)
+            (line,) = divergence_lines({"divergences": [d]})
+            assert "token 5" in line and ("near tie" in line if d["near_tie"] else "NOT a near tie" in line)
+        assert d["near_tie"] is False  # the least likely token is never a tie on this model
+        identical = runs + [dict(runs[0], mode="speculative", draft_max=4)]
+        assert bench_lib.first_divergences(eng, [toks], identical) == []
