@@ -220,7 +220,7 @@ def main(
     prompt: Annotated[Optional[list[str]], typer.Option(help="Prompt text (repeatable); raw, special tokens parsed.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="A prompt file (.jsonl: one {\"prompt\"} per line).")] = None,
     n_predict: Annotated[int, typer.Option(help="Tokens to generate per run.")] = 128,
-    draft_max: DraftMaxOpt = "8",
+    draft_max: DraftMaxOpt = "auto",
     draft_min: DraftMinOpt = 0,
     p_min: PMinOpt = 0.0,
     temp: TempOpt = 0.0,

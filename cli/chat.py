@@ -196,7 +196,7 @@ def main(
                                                           "has none or to override its own.")] = None,
     n_predict: Annotated[Optional[int], typer.Option(help="Most tokens per answer (default: until the end of "
                                                            "generation or a full context).")] = None,
-    draft_max: DraftMaxOpt = "8",
+    draft_max: DraftMaxOpt = "auto",
     draft_min: DraftMinOpt = 0,
     p_min: PMinOpt = 0.0,
     temp: TempOpt = 0.0,

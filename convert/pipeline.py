@@ -21,10 +21,6 @@ from .writer import OUTTYPES, ProgressFn, TensorJob, write_gguf
 
 log = logging.getLogger("specq.convert")
 
-# Suggested draft_max: the k that maximises the ideal speed-up at this acceptance (until `specq tune` measures).
-ASSUMED_ACCEPT_RATE = 0.7
-DRAFT_MAX_RANGE = range(2, 17)
-
 
 @dataclass(frozen=True)
 class ConvertResult:
@@ -51,15 +47,6 @@ class _Output:
     @property
     def quant_label(self) -> str:
         return self.quant or self.outtype.upper()
-
-
-def ideal_speedup(alpha: float, k: int, c: float) -> float:
-    """(1 - α^(k+1)) / ((1 - α)(k·c + 1)): the bound for k drafted tokens at cost ratio c."""
-    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
-
-
-def suggest_draft_max(cost_ratio: float, alpha: float = ASSUMED_ACCEPT_RATE) -> int:
-    return max(DRAFT_MAX_RANGE, key=lambda k: ideal_speedup(alpha, k, cost_ratio))
 
 
 def _parse_outtype(value: str | None) -> str | None:
@@ -174,8 +161,8 @@ def convert_pair(target: str, out_dir: str | Path, *, draft: str | None = None, 
         suggested: dict = {}
         if d_entry is not None:
             c = outs[1].final.stat().st_size / outs[0].final.stat().st_size
-            suggested = {"draft_max": suggest_draft_max(c), "draft_min": 0, "p_min": 0.0,
-                         "cost_ratio": round(c, 4), "assumed_accept_rate": ASSUMED_ACCEPT_RATE}
+            # No acceptance is known before a run: the draft length is chosen as it runs (`specq tune` measures).
+            suggested = {"draft_max": "auto", "draft_min": 0, "p_min": 0.0, "cost_ratio": round(c, 4)}
         mpath = manifest.write_manifest(out, t_entry, d_entry, {**suggested, **(settings or {})})
     except BaseException:
         for p in created:

@@ -37,7 +37,7 @@ TOP_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "settings": ((dict,), "a table"),
 }
 SETTINGS_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
-    "draft_max": ((int,), "an integer"),
+    "draft_max": ((int, str), "an integer or \"auto\""),
     "draft_min": ((int,), "an integer"),
     "p_min": (_NUMBER, "a number"),
 }
@@ -97,10 +97,13 @@ def parse_preset(doc: dict, where: str) -> Preset:
     if "\n" in doc["note"]:
         raise ManifestError(f"preset note must be one line ({where})")
     s = doc["settings"]
-    if doc["context_length"] < 256 or s["draft_max"] < 1 or not 0 <= s["draft_min"] <= s["draft_max"] \
-            or not 0.0 <= s["p_min"] <= 1.0:
-        raise ManifestError(f"preset value out of range ({where}); need context_length >= 256, draft_max >= 1, "
-                            "0 <= draft_min <= draft_max, 0 <= p_min <= 1")
+    k = s["draft_max"]
+    if isinstance(k, str) and k != "auto":
+        raise ManifestError(f"preset draft_max must be an integer or \"auto\" ({where}: {k!r})")
+    cap = 16 if k == "auto" else k  # auto drafts at most 16 tokens a step
+    if doc["context_length"] < 256 or cap < 1 or not 0 <= s["draft_min"] <= cap or not 0.0 <= s["p_min"] <= 1.0:
+        raise ManifestError(f"preset value out of range ({where}); need context_length >= 256, draft_max >= 1 or "
+                            "auto, 0 <= draft_min <= draft_max, 0 <= p_min <= 1")
     for key in ("download_gib", "gguf_gib", "vram_gib"):
         if doc[key] <= 0:
             raise ManifestError(f"preset size must be positive ({where}: {key} = {doc[key]})")

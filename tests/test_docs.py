@@ -14,7 +14,7 @@ import pytest
 import typer
 
 from specq.cli.main import app
-from specq.convert.pipeline import ideal_speedup
+from specq.native.accept import ideal_speedup
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]

@@ -74,6 +74,9 @@ def test_names_unique_and_match_files():
     (lambda d: d.update(target_quant="Q4_K_XL"), "unknown target_quant (x.toml: 'Q4_K_XL')"),
     (lambda d: d.update(architecture="GPTNeoXForCausalLM"), "architecture the converter does not support"),
     (lambda d: d["settings"].update(p_min=1.5), "preset value out of range"),
+    (lambda d: d["settings"].update(draft_max="sometimes"), "draft_max must be an integer or \"auto\""),
+    (lambda d: d["settings"].update(draft_max=0), "preset value out of range"),
+    (lambda d: d["settings"].update(draft_max=2, draft_min=3), "preset value out of range"),
     (lambda d: d.update(note="two\nlines"), "note must be one line"),
 ])
 def test_schema_errors_are_clear(change, message):
@@ -82,6 +85,13 @@ def test_schema_errors_are_clear(change, message):
     with pytest.raises(ManifestError) as e:
         presets.parse_preset(doc, "x.toml")
     assert message in str(e.value)
+
+
+def test_draft_max_is_a_number_or_auto():
+    assert presets.parse_preset(raw("qwen2.5-7b"), "x.toml").settings["draft_max"] == "auto"
+    doc = raw("qwen2.5-7b")
+    doc["settings"].update(draft_max=6, draft_min=2)
+    assert presets.parse_preset(doc, "x.toml").settings["draft_max"] == 6
 
 
 def test_unknown_preset_lists_the_names():
