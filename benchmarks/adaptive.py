@@ -1,12 +1,16 @@
-"""draft_max=auto against plain decoding and fixed draft lengths, on drafts cut from the demo target.
+"""draft_max=auto against plain decoding and a sweep of fixed draft lengths, on three pairs.
 
-    /work/venv/bin/python benchmarks/adaptive.py [--n-predict 128] [--repeat 3] [--threads N] [--out results.json]
+    /work/venv/bin/python benchmarks/adaptive.py [--pairs good,useless,expensive] [--n-predict 256]
+        [--repeat 3] [--threads 2] [--out results.json]
 
 Pairs (all share the SmolLM2-135M vocabulary; the target is the demo pair's F32 target):
   useless:   the target's first 2 layers (+ embeddings/output): ~0% acceptance
   expensive: the target's first 19 of 30 layers: costs ~0.7 of the target
   good:      the demo pair's Q4_1 draft
-Runs alternate (baseline, fixed k..., auto) per repeat; medians of tokens/s are compared.
+Each pair runs through `specq bench`'s own loop (run_bench): the built-in prompt set, each prompt as one
+chat turn, baseline and every draft-max (auto included) alternating per prompt and repeat. A mode's rate
+is its generated tokens over its generation time summed over the prompts, per repeat; the median over
+repeats is compared. (draft_max=auto keeps what it learned across a session's generations, as in chat.)
 """
 
 from __future__ import annotations
@@ -16,17 +20,15 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import gguf
 import numpy as np
 
 from specq.native import _ffi
+from specq.native.bench import BenchConfig, load_prompt_set, run_bench
 from specq.native.demo import cache_dir, demo_pair
-from specq.native.engine import Engine, GenerationSettings
-
-PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring and a short test.\n"
+from specq.native.engine import GenerationSettings
 
 
 def first_layers(src: Path, dst: Path, n: int) -> Path:
@@ -60,52 +62,47 @@ def machine() -> dict:
             "llama_cpp_python": _ffi.llama_cpp_python_version()}
 
 
-def run_pair(name: str, target: Path, draft: Path, modes: list, n_predict: int, repeat: int,
+def mode_of(run: dict) -> str:
+    return "baseline" if run["mode"] == "baseline" else str(run["draft_max"])
+
+
+def run_pair(name: str, target: Path, draft: Path, sweep: list, n_predict: int, repeat: int,
              threads: int | None) -> dict:
-    rows = []
-    with Engine(target, draft, ctx=1024, threads=threads) as e:
-        toks = e.tokenize(PROMPT)
-        ses = e.session()
-        base_tokens = None
-        for rep in range(repeat):
-            for mode in modes:
-                ses.reset()
-                spec = mode != "baseline"
-                s = GenerationSettings(n_predict=n_predict, draft_max=mode if spec else 8)
-                g = ses.generate(toks, s, speculative=spec).run()
-                st = g.stats
-                if not spec:
-                    base_tokens = g.tokens
-                rows.append({"mode": mode, "repeat": rep, "tokens_per_s": st.tokens_per_s, "n_steps": st.n_steps,
-                             "n_drafted": st.n_drafted, "accept_rate": st.accept_rate, "draft_ms": st.draft_ms,
-                             "verify_ms": st.verify_ms, "gen_ms": st.gen_ms, "n_plain_steps": st.n_plain_steps,
-                             "n_probes": st.n_probes, "overhead_fraction": st.overhead_fraction,
-                             "identical": g.tokens == base_tokens if spec else None})
-                print(f"{name:9s} {str(mode):8s} rep {rep}: {st.tokens_per_s:6.1f} tok/s "
-                      f"acc {st.accept_rate if st.accept_rate is not None else float('nan'):.2f} "
-                      f"plain {st.n_plain_steps} probes {st.n_probes}", file=sys.stderr, flush=True)
-        # the draft/target cost ratio: one token each, median of a few
-        cost = {}
-        for which, ctx in (("target", e.tgt_ctx), ("draft", e.dft_ctx)):
-            ctx.clear()
-            ctx.decode(toks, 0, logits="none")
-            ts = []
-            for i in range(8):
-                t0 = time.perf_counter()
-                ctx.decode([toks[-1]], len(toks) + i, logits="last")
-                ts.append(time.perf_counter() - t0)
-            cost[which] = statistics.median(ts) * 1e3
-    med = {str(m): statistics.median(r["tokens_per_s"] for r in rows if r["mode"] == m) for m in modes}
-    return {"pair": name, "target": str(target), "draft": str(draft), "cost_ratio": cost["draft"] / cost["target"],
-            "token_ms": cost, "median_tokens_per_s": med,
-            "auto_vs_plain": med["auto"] / med["baseline"],
-            "best_fixed": max((m for m in med if m not in ("baseline", "auto")), key=lambda m: med[m], default=None),
-            "runs": rows}
+    names, prompts = load_prompt_set("default")
+    cfg = BenchConfig(target=str(target), draft=str(draft), prompts=prompts, prompt_names=names, chat=True,
+                      settings=GenerationSettings(n_predict=n_predict), threads=threads, repeat=repeat,
+                      sweep=tuple((k, 0.0) for k in sweep))
+
+    def progress(run: dict) -> None:
+        print(f"{name:9s} rep {run['repeat']} {run['prompt_name']:9s} {mode_of(run):8s} "
+              f"{run['tokens_per_s']:6.1f} tok/s", file=sys.stderr, flush=True)
+
+    doc = run_bench(cfg, on_run=progress)
+    modes = list(dict.fromkeys(mode_of(r) for r in doc["runs"]))
+    per_repeat = {m: [] for m in modes}
+    for rep in range(repeat):
+        for m in modes:
+            rows = [r for r in doc["runs"] if r["repeat"] == rep and mode_of(r) == m]
+            per_repeat[m].append(1e3 * sum(r["n_generated"] for r in rows) / sum(r["gen_ms"] for r in rows))
+    med = {m: statistics.median(v) for m, v in per_repeat.items()}
+    fixed = [m for m in modes if m not in ("baseline", "auto")]
+    best = max(fixed, key=lambda m: med[m])
+    cost = next(pt["summary"]["cost_ratio"] for pt in doc["sweep"] if str(pt["draft_max"]) == best)
+    auto_runs = [r for r in doc["runs"] if mode_of(r) == "auto"]
+    return {"pair": name, "target": str(target), "draft": str(draft), "cost_ratio_at_best_fixed": cost,
+            "tokens_per_s_per_repeat": per_repeat, "median_tokens_per_s": med,
+            "auto_vs_plain": med["auto"] / med["baseline"], "best_fixed": best,
+            "auto_vs_best_fixed": med["auto"] / med[best],
+            "auto_steps": sum(r["n_steps"] for r in auto_runs),
+            "auto_plain_steps": sum(r["n_plain_steps"] for r in auto_runs),
+            "auto_probes": sum(r["n_probes"] for r in auto_runs),
+            "identical_output": all(pt["summary"]["identical_output"] for pt in doc["sweep"]),
+            "bench": doc}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--n-predict", type=int, default=128)
+    ap.add_argument("--n-predict", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--pairs", default="useless,expensive,good")
     ap.add_argument("--threads", type=int, default=None)
@@ -113,16 +110,20 @@ def main() -> None:
     a = ap.parse_args()
     target, good = demo_pair()
     drafts = {
-        "useless": (first_layers(target, cache_dir() / "SmolLM2-135M-first2.F32.gguf", 2), ["baseline", 4, "auto"]),
-        "expensive": (first_layers(target, cache_dir() / "SmolLM2-135M-first19.F32.gguf", 19),
-                      ["baseline", 2, "auto"]),
-        "good": (good, ["baseline", 1, 2, 4, 8, 16, "auto"]),
+        "useless": (first_layers(target, cache_dir() / "SmolLM2-135M-first2.F32.gguf", 2), [4, "auto"]),
+        "expensive": (first_layers(target, cache_dir() / "SmolLM2-135M-first19.F32.gguf", 19), [2, "auto"]),
+        "good": (good, [1, 2, 4, 8, 16, "auto"]),
     }
     doc = {"machine": machine(), "command": " ".join(sys.argv), "n_predict": a.n_predict, "repeat": a.repeat,
-           "prompt": PROMPT, "results": []}
+           "prompt_set": "default (each prompt as one chat turn)", "results": []}
     for name in a.pairs.split(","):
         d, modes = drafts[name]
-        doc["results"].append(run_pair(name, target, d, modes, a.n_predict, a.repeat, a.threads))
+        res = run_pair(name, target, d, modes, a.n_predict, a.repeat, a.threads)
+        doc["results"].append(res)
+        med = res["median_tokens_per_s"]
+        print(f"{name}: " + " · ".join(f"{m} {v:.1f}" for m, v in med.items())
+              + f" tok/s; auto {res['auto_vs_plain']:.2f}x plain, {res['auto_vs_best_fixed']:.2f}x best fixed "
+              f"(k={res['best_fixed']})", file=sys.stderr, flush=True)
     text = json.dumps(doc, indent=1)
     if a.out:
         Path(a.out).write_text(text + "\n")
