@@ -1,14 +1,14 @@
 """draft_max=auto against plain decoding and a sweep of fixed draft lengths, on three pairs.
 
     /work/venv/bin/python benchmarks/adaptive.py [--pairs good,useless,expensive] [--n-predict 256]
-        [--repeat 3] [--threads 2] [--out results.json]
+        [--repeat 3] [--threads 2] [--prompts F.jsonl] [--good-sweep 1,2,4,8,16] [--out results.json]
 
 Pairs (all share the SmolLM2-135M vocabulary; the target is the demo pair's F32 target):
   useless:   the target's first 2 layers (+ embeddings/output): ~0% acceptance
   expensive: the target's first 19 of 30 layers: costs ~0.7 of the target
   good:      the demo pair's Q4_1 draft
-Each pair runs through `specq bench`'s own loop (run_bench): the built-in prompt set, each prompt as one
-chat turn, baseline and every draft-max (auto included) alternating per prompt and repeat. A mode's rate
+Each pair runs through `specq bench`'s own loop (run_bench): the built-in prompt set (or --prompts, e.g.
+benchmarks/prompts/adaptive12.jsonl), each prompt as one chat turn, baseline and every draft-max (auto included) alternating per prompt and repeat. A mode's rate
 is its generated tokens over its generation time summed over the prompts, per repeat; the median over
 repeats is compared. (draft_max=auto keeps what it learned across a session's generations, as in chat.)
 """
@@ -66,9 +66,17 @@ def mode_of(run: dict) -> str:
     return "baseline" if run["mode"] == "baseline" else str(run["draft_max"])
 
 
+def load_prompts(path: str | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The built-in prompt set, or a JSONL file of {"name", "prompt"} objects."""
+    if path is None:
+        return load_prompt_set("default")
+    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return tuple(r["name"] for r in rows), tuple(r["prompt"] for r in rows)
+
+
 def run_pair(name: str, target: Path, draft: Path, sweep: list, n_predict: int, repeat: int,
-             threads: int | None) -> dict:
-    names, prompts = load_prompt_set("default")
+             threads: int | None, prompt_file: str | None = None) -> dict:
+    names, prompts = load_prompts(prompt_file)
     cfg = BenchConfig(target=str(target), draft=str(draft), prompts=prompts, prompt_names=names, chat=True,
                       settings=GenerationSettings(n_predict=n_predict), threads=threads, repeat=repeat,
                       sweep=tuple((k, 0.0) for k in sweep))
@@ -106,19 +114,21 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--pairs", default="useless,expensive,good")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prompts", help="a JSONL prompt file instead of the built-in set")
+    ap.add_argument("--good-sweep", default="1,2,4,8,16", help="fixed draft lengths to run on the good pair")
     ap.add_argument("--out")
     a = ap.parse_args()
     target, good = demo_pair()
     drafts = {
         "useless": (first_layers(target, cache_dir() / "SmolLM2-135M-first2.F32.gguf", 2), [4, "auto"]),
         "expensive": (first_layers(target, cache_dir() / "SmolLM2-135M-first19.F32.gguf", 19), [2, "auto"]),
-        "good": (good, [1, 2, 4, 8, 16, "auto"]),
+        "good": (good, [int(k) for k in a.good_sweep.split(",")] + ["auto"]),
     }
     doc = {"machine": machine(), "command": " ".join(sys.argv), "n_predict": a.n_predict, "repeat": a.repeat,
-           "prompt_set": "default (each prompt as one chat turn)", "results": []}
+           "prompt_set": (a.prompts or "default") + " (each prompt as one chat turn)", "results": []}
     for name in a.pairs.split(","):
         d, modes = drafts[name]
-        res = run_pair(name, target, d, modes, a.n_predict, a.repeat, a.threads)
+        res = run_pair(name, target, d, modes, a.n_predict, a.repeat, a.threads, a.prompts)
         doc["results"].append(res)
         med = res["median_tokens_per_s"]
         print(f"{name}: " + " · ".join(f"{m} {v:.1f}" for m, v in med.items())
