@@ -26,7 +26,7 @@ import gguf
 import numpy as np
 
 from specq.native import _ffi
-from specq.native.bench import BenchConfig, load_prompt_set, run_bench
+from specq.native.bench import BenchConfig, load_prompt_set, read_prompt_set, run_bench
 from specq.native.demo import cache_dir, demo_pair
 from specq.native.engine import GenerationSettings
 
@@ -70,8 +70,7 @@ def load_prompts(path: str | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The built-in prompt set, or a JSONL file of {"name", "prompt"} objects."""
     if path is None:
         return load_prompt_set("default")
-    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    return tuple(r["name"] for r in rows), tuple(r["prompt"] for r in rows)
+    return read_prompt_set(Path(path).read_text(encoding="utf-8"))
 
 
 def run_pair(name: str, target: Path, draft: Path, sweep: list, n_predict: int, repeat: int,

@@ -21,7 +21,8 @@ from ..native.bench_plot import check_plot_available, plot_sweep
 from ..native.engine import GenerationSettings
 from ..native.placement import resolve_placement
 from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, DraftOpt,
-                      err, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt, PairOpt, PMinOpt,
+                      err, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt, PairOpt, parse_draft_max,
+                      PMinOpt,
                       Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
                       TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt)
 
@@ -64,16 +65,12 @@ def parse_list(flag: str, text: str | None, conv, what: str = "numbers") -> list
     if text is None:
         return []
     try:
-        vals = [conv(x) for x in text.split(",") if x.strip()]
-    except ValueError:
+        vals = [conv(x.strip()) for x in text.split(",") if x.strip()]
+    except (ValueError, UsageError):
         raise UsageError(f"{flag} takes a comma-separated list of {what} ({text}); e.g. {flag} 1,2,4,8")
     if not vals:
         raise UsageError(f"{flag} is empty ({text!r}); e.g. {flag} 1,2,4,8")
     return list(dict.fromkeys(vals))
-
-
-def _draft_max_item(text: str) -> int | str:
-    return "auto" if text.strip() == "auto" else int(text)
 
 
 def _agg(rows: list[dict], key: str):
@@ -269,7 +266,7 @@ def main(
     if prompt_set is not None and (prompt or prompt_file):
         raise UsageError("give --prompt-set, --prompt or --prompt-file, not several")
     names, prompts = load_prompt_set(prompt_set) if prompt_set is not None else ((), read_prompts(prompt, prompt_file))
-    ks = parse_list("--sweep-draft-max", sweep_draft_max, _draft_max_item, "numbers or auto") or [settings.draft_max]
+    ks = parse_list("--sweep-draft-max", sweep_draft_max, parse_draft_max, "numbers or auto") or [settings.draft_max]
     pmins = parse_list("--sweep-p-min", sweep_p_min, float) or [settings.p_min]
     sweep = tuple((k, p) for k in ks for p in pmins) if (sweep_draft_max or sweep_p_min) else ()
     for k, p in sweep:  # fail before loading any model

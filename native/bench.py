@@ -55,7 +55,12 @@ def load_prompt_set(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if not f.is_file():
         known = sorted(p.name[:-6] for p in folder.iterdir() if p.name.endswith(".jsonl"))
         raise UsageError(f"unknown prompt set ({name}); choose one of {', '.join(known)}")
-    rows = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return read_prompt_set(f.read_text(encoding="utf-8"))
+
+
+def read_prompt_set(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A prompt set's JSONL text, one {"name", "prompt"} object per line: (names, prompts)."""
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return tuple(r["name"] for r in rows), tuple(r["prompt"] for r in rows)
 
 
