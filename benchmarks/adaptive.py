@@ -1,6 +1,6 @@
 """draft_max=auto against plain decoding and a sweep of fixed draft lengths, on three pairs.
 
-    /work/venv/bin/python benchmarks/adaptive.py [--pairs good,useless,expensive] [--n-predict 256]
+    python benchmarks/adaptive.py [--pairs good,useless,expensive] [--n-predict 256]
         [--repeat 3] [--threads 2] [--prompts F.jsonl] [--good-sweep 1,2,4,8,16] [--out results.json]
 
 Pairs (all share the SmolLM2-135M vocabulary; the target is the demo pair's F32 target):

@@ -106,6 +106,8 @@ MainGpuOpt = Annotated[int, typer.Option("--main-gpu", help="The GPU for the who
 TensorSplitOpt = Annotated[Optional[str], typer.Option("--tensor-split", help="Share of layers per GPU, e.g. 3,1.")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="ggml devices for the target, e.g. CUDA0 "
                                                                    "(see `specq doctor`).")]
+CpuAmxOpt = Annotated[bool, typer.Option("--cpu-amx", help="Let llama.cpp use its AMX weight buffer on Intel CPUs "
+                                                          "with AMX (off by default: it crashes, llama.cpp#20824).")]
 DraftDeviceOpt = Annotated[Optional[str], typer.Option("--draft-device", help="ggml devices for the draft.")]
 
 

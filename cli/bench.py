@@ -20,7 +20,7 @@ from ..native.bench import DEFAULT_PROMPT, BenchConfig, load_prompt_set, run_ben
 from ..native.bench_plot import check_plot_available, plot_sweep
 from ..native.engine import GenerationSettings
 from ..native.placement import resolve_placement
-from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, DraftOpt,
+from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, DraftOpt,
                       err, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt, PairOpt, parse_draft_max,
                       PMinOpt,
                       Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
@@ -237,6 +237,7 @@ def main(
     tensor_split: TensorSplitOpt = None,
     device: DeviceOpt = None,
     draft_device: DraftDeviceOpt = None,
+    cpu_amx: CpuAmxOpt = False,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt as a user turn in the target's chat "
                                                       "template (default: raw text, as llama.cpp's -p).")] = False,
     repeat: Annotated[int, typer.Option(help="Repeats per prompt (medians are reported).")] = 1,
@@ -280,7 +281,7 @@ def main(
         raise UsageError("a sweep needs a --draft: there is nothing to sweep without one")
     placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
-                                  device=device, draft_device=draft_device)
+                                  device=device, draft_device=draft_device, cpu_amx=cpu_amx)
     cfg = BenchConfig(target=str(target), draft=str(draft) if draft else None, prompts=prompts, settings=settings,
                       ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft, repeat=repeat,
                       baseline=not no_baseline, chat=chat,
@@ -290,6 +291,7 @@ def main(
                                       "vram_budget": vram_budget, "main_gpu": main_gpu, "ctx_draft": ctx_draft,
                                       "threads_draft": threads_draft,
                                       "tensor_split": tensor_split, "device": device, "draft_device": draft_device,
+                                      "cpu_amx": cpu_amx,
                                       "prompt_set": prompt_set, "sweep_draft_max": ks if sweep_draft_max else None,
                                       "sweep_p_min": pmins if sweep_p_min else None},
                       sweep=sweep, prompt_names=names)

@@ -18,7 +18,7 @@ from ..errors import ContextFullError, UsageError
 from ..native.chat import HELP, AnswerProgress, ChatSession, Command, apply_setting, open_chat, panel_data, \
     parse_command
 from ..native.placement import resolve_placement
-from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt,
+from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt,
                       handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt, PairOpt, PMinOpt,
                       Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
                       TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt)
@@ -216,6 +216,7 @@ def main(
     tensor_split: TensorSplitOpt = None,
     device: DeviceOpt = None,
     draft_device: DraftDeviceOpt = None,
+    cpu_amx: CpuAmxOpt = False,
     no_color: Annotated[bool, typer.Option("--no-color", help="No colours (draft and target tokens look alike).")] = False,
     verbose: Verbose = False,
     quiet: Quiet = False,
@@ -231,7 +232,7 @@ def main(
     target, draft = models_or_demo(target, draft)
     placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
-                                  device=device, draft_device=draft_device)
+                                  device=device, draft_device=draft_device, cpu_amx=cpu_amx)
     chat = open_chat(str(target), str(draft) if draft else None, template=template, settings=settings,
                      system=system, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
                      draft_ctx=ctx_draft, draft_threads=threads_draft, **placement.engine_options())

@@ -45,4 +45,6 @@ def main(
             mem = f"{g['memory_total'] / GiB:.0f} GiB" if g["memory_total"] else "?"
             out.print(f"NVIDIA GPU {g['index']}: {g['name']} (CC {g['compute_capability'] or '?'}, {mem}; "
                       f"from {g['source']})")
+        cpu = doc["cpu"]
+        out.print(f"CPU weight buffers: {cpu['extra_buffers']} — {cpu['reason']}")
     out.print(doc["verdict"])

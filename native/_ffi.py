@@ -64,6 +64,24 @@ def supports_gpu_offload() -> bool:
     return bool(C.llama_supports_gpu_offload())
 
 
+class _BuftOverride(ctypes.Structure):
+    # struct llama_model_tensor_buft_override (the bindings declare the params field as a void pointer)
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+_cpu_policies: dict = {}
+
+
+def cpu_policy(allow_amx: bool = False):
+    """This machine's CPU weight-buffer policy (native/cpu.py), decided once per process."""
+    from . import cpu
+
+    if allow_amx not in _cpu_policies:
+        _cpu_policies[allow_amx] = cpu.decide(system_info(), cpu.cpu_flags(), allow_amx,
+                                              repack_available="CPU_REPACK" in cpu_extra_buffer_types())
+    return _cpu_policies[allow_amx]
+
+
 def check_gguf_file(path: str | os.PathLike) -> Path:
     """Raise ModelFileError unless `path` is an existing, non-empty GGUF file."""
     p = Path(path)
@@ -105,14 +123,24 @@ class Model(_Handle):
     """A loaded GGUF model (weights and vocabulary)."""
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, vocab_only: bool = False,
-                 main_gpu: int = 0, tensor_split: list[float] | None = None, devices: list[str] | None = None):
+                 main_gpu: int = 0, tensor_split: list[float] | None = None, devices: list[str] | None = None,
+                 cpu_amx: bool = False, cpu_buffers=None):
+        """`cpu_buffers`: a native.cpu.CpuPolicy to apply instead of this machine's (tests, benchmarks)."""
         ensure_backend()
         self.path = check_gguf_file(path)
         params = C.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
         params.vocab_only = bool(vocab_only)
         params.main_gpu = int(main_gpu)
-        self._split = self._devs = None  # kept alive while llama.cpp may read them
+        self._split = self._devs = self._overrides = None  # kept alive while llama.cpp may read them
+        # Never a configuration known to crash (native/cpu.py): the AMX buffer stays off unless asked for.
+        self.cpu_policy = cpu_buffers or cpu_policy(allow_amx=cpu_amx)
+        self.n_repacked = 0  # weight patterns sent to the CPU-repack buffer by name ("amx-off")
+        if not self.cpu_policy.use_extra_bufts:
+            params.use_extra_bufts = False
+            all_cpu = n_gpu_layers == 0 or not supports_gpu_offload()
+            if self.cpu_policy.extra_buffers == "amx-off" and all_cpu and not vocab_only and devices in (None, ["CPU"]):
+                self._set_repack_overrides(params)
         if tensor_split:
             n = C.llama_max_devices()
             arr = (ctypes.c_float * n)(*(list(tensor_split) + [0.0] * n)[:n])
@@ -130,6 +158,22 @@ class Model(_Handle):
         self.vocab = C.llama_model_get_vocab(handle)
         self.n_vocab = int(C.llama_vocab_n_tokens(self.vocab))
         self._pieces: dict[int, bytes] = {}
+
+    def _set_repack_overrides(self, params) -> None:
+        from .cpu import repack_patterns
+        from .gguf_header import read_header
+
+        repack = cpu_extra_buffer_types().get("CPU_REPACK")
+        if not repack:
+            return
+        tensors = [(t.name, t.shape, t.ggml_type) for t in read_header(self.path).tensors]
+        patterns = repack_patterns(tensors, avx2="AVX2 = 1" in system_info())
+        arr = (_BuftOverride * (len(patterns) + 1))()
+        for i, pat in enumerate(patterns):
+            arr[i].pattern, arr[i].buft = pat.encode(), repack
+        self._overrides = arr
+        params.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p).value
+        self.n_repacked = len(patterns)
 
     # -- lifetime ---------------------------------------------------------------------------
     @property
@@ -271,6 +315,7 @@ class Context(_Handle):
         self.n_outputs = 0
         self.decode_s = 0.0  # wall time spent inside llama_decode, for overhead accounting
         self.n_decode_calls = 0
+        self.on_decode = None  # called as on_decode(name, n_tokens) after each llama_decode (simulated clocks)
 
     @property
     def handle(self):
@@ -310,6 +355,8 @@ class Context(_Handle):
             rc = C.llama_decode(h, self._batch)
             self.decode_s += time.perf_counter() - t0
             self.n_decode_calls += 1
+            if self.on_decode is not None:
+                self.on_decode(self.name, m)
             if rc != 0:
                 if rc == 1:
                     raise ContextFullError(
@@ -464,8 +511,33 @@ def _libggml():
         lib.ggml_backend_dev_type.argtypes, lib.ggml_backend_dev_type.restype = [vp], ctypes.c_int
         lib.ggml_backend_dev_get_props.argtypes = [vp, ctypes.POINTER(_DevProps)]
         lib.ggml_backend_dev_get_props.restype = None
+        lib.ggml_backend_dev_by_type.argtypes, lib.ggml_backend_dev_by_type.restype = [ctypes.c_int], vp
+        lib.ggml_backend_dev_backend_reg.argtypes, lib.ggml_backend_dev_backend_reg.restype = [vp], vp
+        lib.ggml_backend_reg_get_proc_address.argtypes = [vp, ctypes.c_char_p]
+        lib.ggml_backend_reg_get_proc_address.restype = vp
+        lib.ggml_backend_buft_name.argtypes, lib.ggml_backend_buft_name.restype = [vp], ctypes.c_char_p
         _ggml = lib
     return _ggml
+
+
+def cpu_extra_buffer_types() -> dict[str, int]:
+    """The CPU device's extra weight buffer types by name ("AMX", "CPU_REPACK", ...) → buft pointer."""
+    ensure_backend()
+    lib = _libggml()
+    dev = lib.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    if not dev:
+        return {}
+    reg = lib.ggml_backend_dev_backend_reg(dev)
+    fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not fn:
+        return {}
+    bufts = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fn)(dev)
+    out = {}
+    i = 0
+    while bufts and bufts[i]:
+        out[(lib.ggml_backend_buft_name(bufts[i]) or b"").decode("utf-8", "replace")] = int(bufts[i])
+        i += 1
+    return out
 
 
 def devices() -> list[DeviceInfo]:

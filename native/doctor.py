@@ -212,4 +212,5 @@ def doctor_report() -> dict:
         "cuda_archs": cuda_archs(info),
         "nvidia_gpus": [asdict(g) for g in gpus],
         "verdict": verdict(info, offload, with_ids, gpus, version),
+        "cpu": _ffi.cpu_policy().as_dict(),
     }

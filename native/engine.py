@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -209,6 +209,25 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+class SimulatedClock:
+    """A deterministic clock: time moves only by a modelled cost per llama_decode, so that what the adaptive
+    controller decides depends on the costs given, not on how busy the machine is (tests, replays).
+
+    `cost(name, n_tokens)` → seconds for one decode of n tokens by the "target" or the "draft"."""
+
+    def __init__(self, cost: Callable[[str, int], float]):
+        self.cost = cost
+        self.now = 0.0
+        self.n_decodes = 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def on_decode(self, name: str, n_tokens: int) -> None:
+        self.now += self.cost(name, n_tokens)
+        self.n_decodes += 1
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     path: str
@@ -226,9 +245,12 @@ class Engine:
                  n_batch: int = 512, main_gpu: int = 0, tensor_split: list[float] | None = None,
                  draft_tensor_split: list[float] | None = None, devices: list[str] | None = None,
                  draft_devices: list[str] | None = None, draft_ctx: int | None = None,
-                 draft_threads: int | None = None, draft_n_batch: int | None = None):
+                 draft_threads: int | None = None, draft_n_batch: int | None = None, cpu_amx: bool = False,
+                 clock: Callable[[], float] | None = None):
         """Each model gets its own context size, batch size, threads and GPU layers (the draft's default to
-        the target's); generation stops at the smaller context, since the draft holds the same tokens."""
+        the target's); generation stops at the smaller context, since the draft holds the same tokens.
+        `cpu_amx` lets llama.cpp use its AMX weight buffer, which crashes on some builds (native/cpu.py).
+        `clock` times the steps (default time.perf_counter); a SimulatedClock makes timings deterministic."""
         for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx, 16), ("--threads", threads, 1),
                                ("--threads-draft", draft_threads, 1)):
             if v is not None and v < least:
@@ -236,12 +258,12 @@ class Engine:
         self.threads = threads or physical_cores()
         self.draft_threads = draft_threads or self.threads
         self.target = _ffi.Model(target, n_gpu_layers=ngl, main_gpu=main_gpu, tensor_split=tensor_split,
-                                 devices=devices)
+                                 devices=devices, cpu_amx=cpu_amx)
         self.draft = None
         try:
             if draft is not None:
                 self.draft = _ffi.Model(draft, n_gpu_layers=ngl_draft, main_gpu=main_gpu,
-                                        tensor_split=draft_tensor_split, devices=draft_devices)
+                                        tensor_split=draft_tensor_split, devices=draft_devices, cpu_amx=cpu_amx)
                 check_compatible(VocabInfo.of(self.target), VocabInfo.of(self.draft))
             self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=n_batch,
                                         n_outputs_max=DRAFT_MAX_CAP + 1, name="target")
@@ -252,6 +274,11 @@ class Engine:
             self.close()
             raise
         self.n_ctx = min(c.n_ctx for c in (self.tgt_ctx, self.dft_ctx) if c is not None)
+        self.clock = clock or time.perf_counter
+        if isinstance(clock, SimulatedClock):
+            for c in (self.tgt_ctx, self.dft_ctx):
+                if c is not None:
+                    c.on_decode = clock.on_decode
 
     def info(self, which: str = "target") -> ModelInfo:
         m = self.target if which == "target" else self.draft
@@ -355,11 +382,12 @@ class Session:
         catch-up (None after a long one, which is prefill-like); the second is None below two tokens.
         """
         dft = self.dft
-        t_start = time.perf_counter()
+        clock = self.engine.clock
+        t_start = clock()
         catchup = len(self.history) - len(dft.tokens)
         dft.extend(self.history[len(dft.tokens):], logits="last")  # catch up, incl. the last token
         dft.save_checkpoint()
-        t_loop = time.perf_counter()
+        t_loop = clock()
         n_vocab_tgt = self.engine.target.n_vocab
         drafts: list[int] = []
         dists: list[SparseDist] = []
@@ -370,10 +398,10 @@ class Session:
                 if tok >= n_vocab_tgt or (p_min > 0 and top_probability(row) < p_min):
                     break
             else:
-                ts = time.perf_counter()
+                ts = clock()
                 q = samp.draft_tf(row)
                 tok = sample(q, samp.rng)
-                samp.sample_s += time.perf_counter() - ts
+                samp.sample_s += clock() - ts
                 if tok >= n_vocab_tgt or (p_min > 0 and q.top_prob() < p_min):
                     break
                 dists.append(q)
@@ -383,25 +411,26 @@ class Session:
             dft.extend([tok], logits="last")
         # first + (k-1)·per_token is the step's drafting time: the catch-up decode yields the first token
         first = t_loop - t_start if drafts and catchup <= 2 else None
-        per_token = (time.perf_counter() - t_loop) / (len(drafts) - 1) if len(drafts) >= 2 else None
+        per_token = (clock() - t_loop) / (len(drafts) - 1) if len(drafts) >= 2 else None
         return drafts, dists, (first, per_token)
 
     def _step(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int) -> "_Step":
-        t0 = time.perf_counter()
+        clock = self.engine.clock
+        t0 = clock()
         drafts, q, costs = self._draft(n_draft_max, s.p_min, samp) if n_draft_max > 0 else ([], [], (None, None))
         if len(drafts) < s.draft_min:
             drafts, q = [], []
-        t1 = time.perf_counter()
+        t1 = clock()
         # One target pass over [last, d1..dn], logits at every position.
         self.tgt.save_checkpoint()
         self.tgt.extend([self.history[-1]] + drafts, logits="all")
         if samp.mode == "greedy":
             emitted = greedy_emit(self.tgt.ctx.logits(len(drafts) + 1), drafts)
         elif samp.mode == "rejection":
-            ts = time.perf_counter()
+            ts = clock()
             p = samp.target_tf.rows(self.tgt.ctx.logits(len(drafts) + 1))
             emitted = rejection_emit(drafts, q, p, samp.rng)
-            samp.sample_s += time.perf_counter() - ts
+            samp.sample_s += clock() - ts
         else:
             # The target samples at each position; a draft token is accepted when the sample equals it.
             emitted = []
@@ -410,7 +439,7 @@ class Session:
                 emitted.append(tok)
                 if i == len(drafts) or tok != drafts[i]:
                     break
-        t2 = time.perf_counter()
+        t2 = clock()
         return _Step(emitted, len(drafts), t1 - t0, t2 - t1, *costs)
 
     def _rewind(self) -> None:
@@ -479,6 +508,7 @@ class Generation:
         self.tokens: list[int] = []
         self._text: list[str] = []
         self._p = _Progress()
+        self._clock = session.engine.clock
         self._samp: _Sampling | None = None
         eng = session.engine
         self._ctxs = [c for c in (eng.tgt_ctx, eng.dft_ctx if speculative else None) if c is not None]
@@ -506,14 +536,14 @@ class Generation:
         if self.stats is not None:
             return self.stats
         t0 = self._p.t_gen0
-        return self._make_stats("running", 0.0 if t0 is None else time.perf_counter() - t0)
+        return self._make_stats("running", 0.0 if t0 is None else self._clock() - t0)
 
     def __iter__(self) -> Iterator[TokenEvent]:
         ses, s, p = self.session, self.settings, self._p
         eng = ses.engine
-        tp0 = time.perf_counter()
+        tp0 = self._clock()
         ses.prefill(self.new_tokens)
-        p.prompt_s = time.perf_counter() - tp0
+        p.prompt_s = self._clock() - tp0
 
         samp = self._samp = _Sampling(s, self.speculative)
         ctrl = ses.controller(s) if self.speculative and s.adaptive else None
@@ -524,7 +554,7 @@ class Generation:
         stop = "interrupted"
         p.decode0 = sum(c.decode_s for c in self._ctxs)
         p.restores0 = ses.tgt.n_restores
-        p.t_gen0 = time.perf_counter()
+        p.t_gen0 = self._clock()
         try:
             while True:
                 remaining = None if s.n_predict is None else s.n_predict - len(self.tokens)
@@ -540,7 +570,7 @@ class Generation:
                     if remaining is not None:
                         n_draft_max = min(n_draft_max, remaining - 1)
                     if ctrl is not None:
-                        t_step = time.perf_counter()
+                        t_step = self._clock()
                         n_draft_max = ctrl.choose(n_draft_max)
                 step = ses._step(s, samp, max(n_draft_max, 0))
                 p.n_steps += 1
@@ -567,14 +597,14 @@ class Generation:
                 ses._rewind()
                 if ctrl is not None:
                     ctrl.observe(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
-                                 time.perf_counter() - t_step - step.draft_s - step.verify_s, step.draft_s,
+                                 self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s,
                                  step.first_token_s)
                 yield from events
                 if done:
                     stop = done
                     break
         finally:
-            gen_s = time.perf_counter() - p.t_gen0
+            gen_s = self._clock() - p.t_gen0
             try:
                 ses._rewind()
             finally:

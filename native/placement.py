@@ -22,6 +22,7 @@ class Placement:
     draft_tensor_split: tuple[float, ...] | None = None
     devices: tuple[str, ...] | None = None
     draft_devices: tuple[str, ...] | None = None
+    cpu_amx: bool = False  # let llama.cpp use its AMX weight buffer (native/cpu.py: off by default)
 
     def engine_options(self) -> dict:
         """Engine keyword arguments beyond ngl/ngl_draft (lists where it takes lists)."""
@@ -29,7 +30,8 @@ class Placement:
                 "tensor_split": list(self.tensor_split) if self.tensor_split else None,
                 "draft_tensor_split": list(self.draft_tensor_split) if self.draft_tensor_split else None,
                 "devices": list(self.devices) if self.devices else None,
-                "draft_devices": list(self.draft_devices) if self.draft_devices else None}
+                "draft_devices": list(self.draft_devices) if self.draft_devices else None,
+                "cpu_amx": self.cpu_amx}
 
 
 def default_ngl() -> int:
@@ -60,7 +62,7 @@ def parse_devices(text: str | None) -> tuple[str, ...] | None:
 def resolve_placement(target: str, draft: str | None, *, ctx: int, ngl: int | None = None,
                       ngl_draft: int | None = None, vram_budget: str | None = None, main_gpu: int = 0,
                       tensor_split: str | None = None, device: str | None = None,
-                      draft_device: str | None = None) -> Placement:
+                      draft_device: str | None = None, cpu_amx: bool = False) -> Placement:
     """Turn the placement flags into a Placement; an explicit --ngl/--ngl-draft wins over the planner."""
     if ngl is not None and ngl < 0:
         raise UsageError(f"--ngl must be >= 0 ({ngl})")
@@ -93,4 +95,4 @@ def resolve_placement(target: str, draft: str | None, *, ctx: int, ngl: int | No
                     "speculation may not pay; use --ngl-draft (or --vram-budget)")
     return Placement(ngl=n_tgt, ngl_draft=n_dft, main_gpu=main_gpu, tensor_split=split,
                      draft_tensor_split=draft_split or split, devices=parse_devices(device),
-                     draft_devices=parse_devices(draft_device))
+                     draft_devices=parse_devices(draft_device), cpu_amx=cpu_amx)

@@ -11,7 +11,7 @@ import tinymodels
 
 from specq.errors import UsageError
 from specq.native.adaptive import AdaptiveDraft
-from specq.native.engine import AUTO_DRAFT_CAP, Engine, GenerationSettings
+from specq.native.engine import AUTO_DRAFT_CAP, Engine, GenerationSettings, SimulatedClock
 
 
 def simulate(alpha: float, draft_ms: float, verify_ms, steps: int = 300, seed: int = 0):
@@ -89,10 +89,23 @@ def deep_target(models_dir, tiny_target):
         tinymodels.weights = saved
 
 
+def cpu_like_costs(target_one_ms: float, draft_ms: float):
+    """Decode costs shaped like a CPU's: one token runs other kernels than a batch, which grows per token;
+    the draft's catch-up over a few tokens costs little more than one."""
+    def cost(name: str, n: int) -> float:
+        if name == "draft":
+            return (draft_ms + 0.1 * draft_ms * (n - 1)) / 1e3
+        return (target_one_ms if n == 1 else 1.4 * target_one_ms + 0.05 * target_one_ms * n) / 1e3
+    return cost
+
+
 @pytest.fixture(scope="module")
 def pairs(tiny_target, tiny_unrelated, deep_target):
-    with Engine(tiny_target, tiny_unrelated, ctx=512, threads=1) as bad, \
-            Engine(deep_target, tiny_target, ctx=512, threads=1) as good:
+    # Simulated clocks: the controller's choices depend on these costs, not on how busy the machine is.
+    bad_clock = SimulatedClock(cpu_like_costs(target_one_ms=10.0, draft_ms=3.0))
+    good_clock = SimulatedClock(cpu_like_costs(target_one_ms=20.0, draft_ms=2.0))
+    with Engine(tiny_target, tiny_unrelated, ctx=512, threads=1, clock=bad_clock) as bad, \
+            Engine(deep_target, tiny_target, ctx=512, threads=1, clock=good_clock) as good:
         yield {"unrelated": bad, "good": good}
 
 
@@ -104,6 +117,7 @@ def test_engine_auto_with_unrelated_draft_is_exact_and_mostly_plain(pairs):
     assert g.tokens == base.tokens
     assert g.stats.n_plain_steps > 0  # the mechanism ran: it chose not to draft
     assert g.stats.n_plain_steps > g.stats.n_steps // 2
+    assert e.clock.n_decodes > 0 and g.stats.gen_ms > 0  # the simulated clock timed the run
 
 
 def test_engine_auto_with_perfect_cheap_draft_drafts_and_accepts(pairs):

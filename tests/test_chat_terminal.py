@@ -6,9 +6,9 @@ import json
 
 import pexpect
 
+from cli_bin import SPECQ
 from specq.native.engine import Engine, GenerationSettings
 
-SPECQ = "/work/venv/bin/specq"
 
 
 def test_interactive_stream_interrupt_then_correct_answer_and_quit(tiny_target, tiny_close, tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import typer
 
+from cli_bin import BIN_DIR
 from specq.cli.main import app
 from specq.native.accept import ideal_speedup
 
@@ -105,7 +106,7 @@ def test_inline_command_uses_real_options(where, argv):
 
 @pytest.mark.parametrize("where, body", [pytest.param(w, b, id=w) for w, b in runnable_blocks()])
 def test_runnable_block(where, body, tmp_path):
-    env = dict(os.environ, PATH=f"/work/venv/bin:{os.environ.get('PATH', '')}", HF_HUB_OFFLINE="1",
+    env = dict(os.environ, PATH=f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}", HF_HUB_OFFLINE="1",
                COLUMNS="100",
                # llama.cpp's OpenMP threads spin while waiting; on a shared test machine that costs minutes.
                OMP_WAIT_POLICY="PASSIVE")

@@ -38,12 +38,20 @@ def test_cli_json_on_this_machine():
     assert doc["system_info"].startswith("CPU :")
     assert doc["verdict"].startswith("CPU-only build — to use your GPU reinstall with CMAKE_ARGS=")
     assert "llama-cpp-python==" + doc["llama_cpp_python_version"] in doc["verdict"]
+    # the CPU weight-buffer decision (native/cpu.py) for this machine, consistent with its system info
+    cpu = doc["cpu"]
+    assert set(cpu) == {"features", "build_has_amx", "extra_buffers", "reason"}
+    assert cpu["build_has_amx"] == ("AMX_INT8 = 1" in doc["system_info"])
+    assert cpu["extra_buffers"] in ("on", "off", "amx-off") and cpu["reason"]
+    if cpu["build_has_amx"] and "amx_int8" in (cpu["features"] or ["amx_int8"]):
+        assert cpu["extra_buffers"] != "on"
 
 
 def test_cli_human_output_ends_with_the_verdict():
     r = CliRunner().invoke(app, ["doctor"])
     assert r.exit_code == 0, r.output
     assert "GPU offload supported: no" in r.stdout
+    assert "CPU weight buffers: " in r.stdout
     assert r.stdout.strip().splitlines()[-1].startswith("CPU-only build")
 
 

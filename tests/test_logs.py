@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from cli_bin import SPECQ
 from hfmodels import HFSpec, write_checkpoint
 
-SPECQ = "/work/venv/bin/specq"
 # Prefixes and words of llama.cpp / ggml log lines (and of our logger that carries them under -v).
 LLAMA_MARKERS = ("llama_model_loader", "llama_context", "load_tensors", "print_info", "llama_model_quantize",
                  "llama_kv_cache", "llama_graph", "graph_reserve", "sched_reserve", "create_tensor",

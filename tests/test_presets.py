@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cli_bin import SPECQ
 from hfmodels import HFSpec, variant, write_checkpoint
 from specq.cli import convert as cli_convert
 from specq.cli.main import app
@@ -23,7 +24,6 @@ from specq.convert.quantize import QUANT_TYPES
 from specq.errors import ManifestError, UsageError
 from specq.native import _ffi
 
-SPECQ = "/work/venv/bin/specq"
 runner = CliRunner()
 PRESET_FILES = sorted(p for p in resources.files("specq.models").iterdir() if p.name.endswith(".toml"))
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+$")
