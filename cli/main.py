@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import __version__
-from . import bench, chat, convert, doctor, plan, presets, tune
+from . import bench, chat, convert, doctor, plan, presets, serve, tune
 
 app = typer.Typer(
     name="specq",
@@ -22,6 +22,7 @@ app.command("doctor", help="Show the llama.cpp build, its devices and whether th
 app.command("plan", help="Plan GPU layers and context for a target and draft in a VRAM budget.")(plan.main)
 app.command("convert", help="Hugging Face checkpoints to an aligned, quantized GGUF target + draft pair.")(convert.main)
 app.command("presets", help="List the known target + draft pairs for `specq convert --preset`.")(presets.main)
+app.command("serve", help="An OpenAI-compatible server with exact speculative decoding.")(serve.main)
 app.command("tune", help="Calibrate a pair: acceptance by position, costs, recommended settings.")(tune.main)
 
 

@@ -152,6 +152,7 @@ class GenerationStats(Rates):
     sample_ms: float = 0.0  # rejection mode: time in the sampling transform and acceptance (both models)
     n_plain_steps: int = 0  # draft_max=auto: steps that chose not to draft (probes excluded)
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning
+    n_drafts: int = 0  # steps that verified a draft (llama-server's spec_decode_num_drafts)
 
     @property
     def overhead_fraction(self) -> float:
@@ -448,6 +449,14 @@ class Session:
         if self.dft is not None:
             self.dft.truncate(_common_prefix(self.dft.tokens, self.history))
 
+    def rollback(self, n: int) -> None:
+        """Keep the first n tokens of the history and roll both caches back to them (a server's stop string
+        that ends inside a multi-token step)."""
+        if not 0 < n <= len(self.history):
+            raise ValueError(f"cannot roll back to {n} tokens of a {len(self.history)}-token history")
+        del self.history[n:]
+        self._rewind()
+
     # ==== generation ============================================================================
     def prefill(self, new_tokens: list[int]) -> None:
         """Append tokens to the history and evaluate all but the last on both models."""
@@ -529,7 +538,8 @@ class Generation:
             accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
                 "greedy" if s.temp <= 0 else "sample"),
             sample_ms=samp.sample_s * 1e3 if samp else 0.0,
-            n_plain_steps=ctrl.n_plain_steps - p.plain0 if ctrl else 0, n_probes=ctrl.n_probes - p.probes0 if ctrl else 0)
+            n_plain_steps=ctrl.n_plain_steps - p.plain0 if ctrl else 0, n_probes=ctrl.n_probes - p.probes0 if ctrl else 0,
+            n_drafts=len(p.accepted))
 
     def snapshot(self) -> GenerationStats:
         """The stats so far (stop_reason "running"); the final ones once the generation has ended."""

@@ -1,0 +1,131 @@
+"""`specq serve`: an OpenAI-compatible server with exact speculative decoding (the library is native/serve.py)."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import UsageError
+from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt,
+                      handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt, PairOpt, PMinOpt,
+                      Quiet, resolve_pair, settings_from_flags, setup_logging, TargetOpt, TempOpt, TensorSplitOpt,
+                      ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt)
+
+
+def _route_server_logs(verbose: bool) -> None:
+    """uvicorn's own log joins specq's handler: warnings only, its access log with --verbose."""
+    handlers = logging.getLogger("specq").handlers
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        lg = logging.getLogger(name)
+        lg.handlers = list(handlers) if name == "uvicorn" else []
+        lg.propagate = name != "uvicorn"
+        lg.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def _exposure_warning(host: str, api_key: str | None) -> str | None:
+    """A loud line when the server is reachable from other machines."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    who = "anyone who can reach this machine" if host in ("0.0.0.0", "::") else f"anyone who can reach {host}"
+    key = "an API key is required" if api_key else "WITHOUT an API key (set --api-key or SPECQ_API_KEY)"
+    return f"specq: WARNING: listening on {host}: {who} can use the model, {key}"
+
+
+def _parse_size_flag(flag: str, text: str) -> int:
+    from ..native.plan import parse_size
+
+    try:
+        return int(text) if text.isdigit() else parse_size(text)
+    except UsageError:
+        raise UsageError(f"{flag} takes bytes or a size ({text}); e.g. {flag} 4MiB")
+
+
+@handle_errors
+def main(
+    click_ctx: typer.Context,
+    pair: PairOpt = None,
+    target: TargetOpt = None,
+    draft: Annotated[Optional[Path], typer.Option(help="Draft GGUF; without it the target runs alone.")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (loopback only by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8080,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPECQ_API_KEY", show_envvar=True,
+                                                   help="Require 'Authorization: Bearer KEY' on everything but "
+                                                        "/health.")] = None,
+    max_queue: Annotated[int, typer.Option(help="Requests that may wait behind the running one; beyond it 503 "
+                                                "with Retry-After.")] = 16,
+    max_body: Annotated[str, typer.Option(help="Largest request body (bytes, or a size such as 4MiB).")] = "4MiB",
+    max_tokens: Annotated[int, typer.Option(help="Most tokens one request may generate (also its default).")] = 4096,
+    template: Annotated[Optional[str], typer.Option(help="Chat template (a Jinja file or text) when the model "
+                                                          "has none or to override its own.")] = None,
+    draft_max: DraftMaxOpt = "auto",
+    draft_min: DraftMinOpt = 0,
+    p_min: PMinOpt = 0.0,
+    temp: Annotated[float, typer.Option(help="Temperature of requests that give none; 0 is greedy.")] = 0.0,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    seed: Annotated[Optional[int], typer.Option(help="Seed of requests that give none (default: a fresh random "
+                                                     "seed per request).")] = None,
+    accept: AcceptOpt = "auto",
+    ctx: CtxOpt = 4096,
+    threads: ThreadsOpt = None,
+    ctx_draft: CtxDraftOpt = None,
+    threads_draft: ThreadsDraftOpt = None,
+    ngl: NglOpt = None,
+    ngl_draft: NglDraftOpt = None,
+    vram_budget: VramBudgetOpt = None,
+    main_gpu: MainGpuOpt = 0,
+    tensor_split: TensorSplitOpt = None,
+    device: DeviceOpt = None,
+    draft_device: DraftDeviceOpt = None,
+    cpu_amx: CpuAmxOpt = False,
+    verbose: Verbose = False,
+    quiet: Quiet = False,
+) -> None:
+    from ..native.placement import resolve_placement
+    from ..native.serve import ServeConfig, bind_socket, open_server
+
+    setup_logging(verbose, quiet)
+    target, draft, suggested = resolve_pair(pair, target, draft, click_ctx)
+    ctx = suggested.get("ctx", ctx)
+    defaults = settings_from_flags(suggested, n_predict=max_tokens, draft_max=draft_max, draft_min=draft_min,
+                                   p_min=p_min, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                                   seed=seed or 0, accept=accept)
+    cfg = ServeConfig(host=host, port=port, api_key=api_key or None, max_queue=max_queue,
+                      max_body=_parse_size_flag("--max-body", max_body), max_tokens=max_tokens, seed=seed).validate()
+    target, draft = models_or_demo(target, draft)
+    warning = _exposure_warning(host, cfg.api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    sock = bind_socket(host, port)
+    try:
+        placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl,
+                                      ngl_draft=ngl_draft, vram_budget=vram_budget, main_gpu=main_gpu,
+                                      tensor_split=tensor_split, device=device, draft_device=draft_device,
+                                      cpu_amx=cpu_amx)
+        server = open_server(str(target), str(draft) if draft else None, template=template, defaults=defaults,
+                             cfg=cfg, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
+                             draft_ctx=ctx_draft, draft_threads=threads_draft, **placement.engine_options())
+        try:
+            _route_server_logs(verbose)
+            bound = sock.getsockname()
+            if not quiet:
+                print(f"specq serve: {server.state.limits.model_id}"
+                      + (f" + draft {Path(draft).name}" if draft else " (no draft)")
+                      + f" on http://{host}:{bound[1]}/v1 · Ctrl-C stops", file=sys.stderr, flush=True)
+            server.serve(sock, verbose=verbose)
+        finally:
+            server.close()
+    finally:
+        sock.close()
+    if not quiet:
+        print("specq serve: stopped", file=sys.stderr, flush=True)

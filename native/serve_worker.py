@@ -1,0 +1,188 @@
+"""The thread that owns the engine: requests run one at a time, in arrival order, on one Session.
+
+Each request's prompt replaces the session's history; the engine's prefill keeps the cached prefix both
+models share with the previous request (system prompt, earlier turns) and evaluates only the rest.
+Stop strings end a generation where their text ends, rolling both caches back to that token; a cancelled
+request stops after the current step, and the engine's own rewind leaves both caches consistent.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..errors import SpecqError
+from .engine import Engine, GenerationSettings
+from .serve_api import ApiError, Outcome
+from .serve_metrics import ServerMetrics
+
+log = logging.getLogger("specq.serve")
+
+
+class StopMatcher:
+    """Text in, text safe to send out: holds back a tail that may still become a stop string."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.text = ""
+        self.sent = 0
+        self.hit = False
+
+    def feed(self, piece: str) -> str:
+        """Add a token's text; returns what can be sent now. After a hit, `text` ends where the stop began."""
+        self.text += piece
+        if not self.stops:
+            return self._send(len(self.text))
+        found = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
+        if found:
+            self.hit = True
+            self.text = self.text[:min(found)]
+            return self._send(len(self.text))
+        return self._send(len(self.text) - self._partial_tail())
+
+    def flush(self) -> str:
+        return self._send(len(self.text))
+
+    def _partial_tail(self) -> int:
+        """The longest end of the unsent text that is the start of a stop string."""
+        tail = self.text[self.sent:]
+        for n in range(min(len(tail), max(len(s) for s in self.stops) - 1), 0, -1):
+            if any(s.startswith(tail[-n:]) for s in self.stops):
+                return n
+        return 0
+
+    def _send(self, upto: int) -> str:
+        out = self.text[self.sent:upto]
+        self.sent = max(self.sent, upto)
+        return out
+
+
+def reused_prefix(history: list[int], prompt: list[int]) -> int:
+    """Prompt tokens the caches already hold: the common prefix, less the last prompt token (always decoded)."""
+    n = 0
+    for a, b in zip(history, prompt):
+        if a != b:
+            break
+        n += 1
+    return min(n, len(prompt) - 1)
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    settings: GenerationSettings
+    stops: tuple[str, ...]
+    emit: Callable[[tuple], None]  # ("text", str) … then ("done", Outcome) or ("error", ApiError); thread-safe
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class QueueFull(ApiError):
+    def __init__(self, max_queue: int):
+        super().__init__(503, f"the server is busy ({max_queue} requests already waiting); retry shortly",
+                         "server_busy", "server_error", headers={"Retry-After": "1"})
+
+
+class Worker:
+    """Runs Jobs one at a time on one engine session; at most `max_queue` wait behind the running one."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int):
+        self.engine = engine
+        self.session = engine.session()
+        self.speculative = engine.draft is not None
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._in_system = 0  # waiting + running
+        self._thread = threading.Thread(target=self._run, name="specq-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        """Jobs queued behind the running one."""
+        with self._lock:
+            return max(0, self._in_system - 1)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job, or QueueFull when max_queue jobs already wait behind the running one."""
+        with self._lock:
+            if self._in_system > self.max_queue:
+                self.metrics.rejected.inc()
+                raise QueueFull(self.max_queue)
+            self._in_system += 1
+            self.metrics.deferred.set(max(0, self._in_system - 1))
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        """Finish the jobs already queued, then end the thread."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self.metrics.processing.set(1)
+            try:
+                self._serve(job)
+            finally:
+                with self._lock:
+                    self._in_system -= 1
+                    self.metrics.deferred.set(max(0, self._in_system - 1))
+                self.metrics.processing.set(0)
+
+    def _serve(self, job: Job) -> None:
+        if job.cancelled.is_set():  # the client left while waiting
+            self.metrics.cancelled.inc()
+            return
+        try:
+            outcome = self._generate(job)
+        except SpecqError as e:
+            log.warning("generation failed: %s", e)
+            self.session.reset()  # the caches' state after a failed decode is unknown: start clean
+            job.emit(("error", ApiError(500, f"generation failed: {e}", "generation_failed", "server_error")))
+            return
+        except Exception:
+            log.debug("generation crashed", exc_info=True)
+            self.session.reset()
+            job.emit(("error", ApiError(500, "internal error during generation; run the server with -v "
+                                             "for details", "internal_error", "server_error")))
+            return
+        if outcome.finish == "interrupted":
+            self.metrics.cancelled.inc()
+        self.metrics.observe(outcome)
+        job.emit(("done", outcome))
+
+    def _generate(self, job: Job) -> Outcome:
+        ses = self.session
+        n_reused = reused_prefix(ses.history, job.prompt) if ses.history else 0
+        del ses.history[:]  # the prompt replaces the history; prefill keeps the shared cached prefix
+        gen = ses.generate(job.prompt, job.settings, speculative=self.speculative)
+        matcher = StopMatcher(job.stops)
+        n_kept = 0
+        sent_chars = 0
+        it = iter(gen)
+        try:
+            for ev in it:
+                n_kept += 1
+                sent_chars += len(ev.text)
+                out = matcher.feed(ev.text)
+                if out:
+                    job.emit(("text", out))
+                if matcher.hit or job.cancelled.is_set():
+                    break
+        finally:
+            it.close()  # the engine rewinds both caches to the history in its `finally`
+        if matcher.hit:
+            ses.rollback(len(job.prompt) + n_kept)
+            return Outcome("stop", len(job.prompt), n_reused, n_kept, gen.stats)
+        # A UTF-8 sequence cut by the end of the generation is completed in gen.text, not in an event.
+        out = matcher.feed(gen.text[sent_chars:]) + matcher.flush()
+        if out:
+            job.emit(("text", out))
+        finish = "stop" if matcher.hit else gen.stats.stop_reason
+        return Outcome(finish, len(job.prompt), n_reused, len(gen.tokens), gen.stats)
