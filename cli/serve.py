@@ -117,12 +117,10 @@ def main(
                              draft_ctx=ctx_draft, draft_threads=threads_draft, **placement.engine_options())
         try:
             _route_server_logs(verbose)
-            bound = sock.getsockname()
-            if not quiet:
-                print(f"specq serve: {server.state.limits.model_id}"
-                      + (f" + draft {Path(draft).name}" if draft else " (no draft)")
-                      + f" on http://{host}:{bound[1]}/v1 · Ctrl-C stops", file=sys.stderr, flush=True)
-            server.serve(sock, verbose=verbose)
+            ready = (f"specq serve: {server.state.limits.model_id}"
+                     + (f" + draft {Path(draft).name}" if draft else " (no draft)")
+                     + f" on http://{host}:{sock.getsockname()[1]}/v1 · Ctrl-C stops")
+            server.serve(sock, verbose=verbose, on_ready=lambda: print(ready, file=sys.stderr, flush=True))
         finally:
             server.close()
     finally:

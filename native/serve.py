@@ -322,7 +322,9 @@ def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> Callable
     return emit
 
 
-def create_app(state: ServerState):
+def create_app(state: ServerState, on_ready: Callable[[], None] | None = None):
+    """The ASGI app; `on_ready` runs once uvicorn has its signal handlers in place (so a Ctrl-C right after
+    the ready line still drains and exits 0)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.routing import Route
@@ -340,7 +342,13 @@ def create_app(state: ServerState):
         Route("/v1/chat/completions", h.route("/v1/chat/completions", h.chat), methods=["POST"]),
         Route("/v1/completions", h.route("/v1/completions", h.completions), methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if on_ready is not None:
+            on_ready()
+        yield
+
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
 
 
 # ==== the server's life ============================================================================
@@ -373,12 +381,11 @@ class SpecqServer:
                  model_name: str):
         self.engine = engine
         self.state = ServerState(engine, template, defaults, cfg, model_name)
-        self.app = create_app(self.state)
 
-    def serve(self, sock: socket.socket, verbose: bool = False) -> None:
+    def serve(self, sock: socket.socket, verbose: bool = False, on_ready: Callable[[], None] | None = None) -> None:
         import uvicorn
 
-        config = uvicorn.Config(self.app, log_config=None, access_log=verbose, lifespan="off",
+        config = uvicorn.Config(create_app(self.state, on_ready), log_config=None, access_log=verbose, lifespan="on",
                                 timeout_graceful_shutdown=self.state.cfg.drain_s)
         _quiet_server_class()(config).run(sockets=[sock])
 

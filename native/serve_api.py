@@ -239,7 +239,7 @@ def settings_for(req: ApiRequest, defaults: GenerationSettings, seed: int) -> Ge
     """The server's settings with what the request set; `seed` where the request set none."""
     from dataclasses import replace
 
-    s = replace(defaults, n_predict=req.max_tokens, seed=seed, **req.overrides)
+    s = replace(defaults, **{"n_predict": req.max_tokens, "seed": seed, **req.overrides})
     return replace(s, draft_min=min(s.draft_min, s.draft_cap))
 
 

@@ -60,10 +60,11 @@ class StopMatcher:
         return out
 
 
-def reused_prefix(history: list[int], prompt: list[int]) -> int:
-    """Prompt tokens the caches already hold: the common prefix, less the last prompt token (always decoded)."""
+def reused_prefix(held: list[int], prompt: list[int]) -> int:
+    """Prompt tokens the target's cache already holds: the common prefix, less the last prompt token (which
+    every generation decodes)."""
     n = 0
-    for a, b in zip(history, prompt):
+    for a, b in zip(held, prompt):
         if a != b:
             break
         n += 1
@@ -159,7 +160,7 @@ class Worker:
 
     def _generate(self, job: Job) -> Outcome:
         ses = self.session
-        n_reused = reused_prefix(ses.history, job.prompt) if ses.history else 0
+        n_reused = reused_prefix(ses.tgt.tokens, job.prompt)  # what prefill will keep of the target's cache
         del ses.history[:]  # the prompt replaces the history; prefill keeps the shared cached prefix
         gen = ses.generate(job.prompt, job.settings, speculative=self.speculative)
         matcher = StopMatcher(job.stops)

@@ -1,0 +1,192 @@
+"""`specq serve`'s pieces in-process: the wire format (pure), the stop-string matcher (pure), and the engine worker
+on tiny models (prefix reuse, stop-string rollback, cancellation, errors)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from specq.native.engine import Engine, GenerationSettings  # noqa: E402
+from specq.native.serve_api import ApiError, Limits, parse_json, parse_request, settings_for  # noqa: E402
+from specq.native.serve_metrics import ServerMetrics  # noqa: E402
+from specq.native.serve_worker import Job, QueueFull, StopMatcher, Worker, reused_prefix  # noqa: E402
+
+LIMITS = Limits(max_tokens=256, model_id="target", draft=True)
+SETTINGS = GenerationSettings(n_predict=40, draft_max=4)
+
+
+# ---- pure ---------------------------------------------------------------------------------------------
+def feed_all(stops, pieces):
+    m = StopMatcher(tuple(stops))
+    out = []
+    for p in pieces:
+        out.append(m.feed(p))
+        if m.hit:
+            break
+    return out, m
+
+
+def test_stop_matcher_holds_back_a_possible_stop_and_cuts_at_it():
+    out, m = feed_all(["END"], ["abc", "E", "N", "D", "more"])
+    assert out == ["abc", "", "", ""] and m.hit and m.text == "abc"
+    out, m = feed_all(["END"], ["abE", "Nx", "y"])
+    assert out == ["ab", "ENx", "y"] and not m.hit  # a false start is released once it cannot match
+
+
+def test_stop_matcher_earliest_stop_wins_and_flush_releases_the_tail():
+    out, m = feed_all(["cd", "b"], ["abcd"])
+    assert out == ["a"] and m.hit
+    m = StopMatcher(("xyz",))
+    assert m.feed("abx") == "ab" and m.flush() == "x"
+
+
+def test_reused_prefix_leaves_the_last_prompt_token_to_decode():
+    assert reused_prefix([1, 2, 3, 4], [1, 2, 3, 9]) == 3
+    assert reused_prefix([1, 2, 3, 4], [1, 2]) == 1
+    assert reused_prefix([], [5, 6]) == 0
+
+
+def test_parse_request_maps_openai_names_and_keeps_server_defaults():
+    req = parse_request({"prompt": "hi", "temperature": 0.5, "top_k": 7, "seed": -1, "draft_max": "auto",
+                         "stop": "\n", "max_tokens": 12, "unknown_field": {"ignored": True}}, "completion", LIMITS)
+    s = settings_for(req, GenerationSettings(p_min=0.3), seed=5)
+    assert (s.temp, s.top_k, s.seed, s.draft_max, s.n_predict, s.p_min) == (0.5, 7, 0xFFFFFFFF, "auto", 12, 0.3)
+    assert req.stops == ("\n",)
+    assert settings_for(parse_request({"prompt": "x"}, "completion", LIMITS), SETTINGS, seed=5).seed == 5
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": 3}, "prompt"), ({"prompt": "x", "top_p": 0}, "top_p"), ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": "x", "stream": "yes"}, "stream"), ({"prompt": "x", "drafter": "ngram"}, "drafter"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"), ({"prompt": "x", "echo": True}, "echo"),
+])
+def test_parse_request_names_the_bad_field(body, param):
+    with pytest.raises(ApiError) as e:
+        parse_request(body, "completion", LIMITS)
+    assert e.value.status == 400 and e.value.param == param and param in e.value.message
+
+
+def test_defaults_that_ask_for_nothing_are_accepted():
+    parse_request({"prompt": "x", "n": 1, "logprobs": False, "tools": [], "frequency_penalty": 0,
+                   "response_format": {"type": "text"}, "drafter": "model"}, "completion", LIMITS)
+    with pytest.raises(ApiError):
+        parse_json(b"\xff\xfe")
+
+
+# ---- the worker on tiny models ---------------------------------------------------------------------------
+class Collector:
+    """A job's emit: collects events; `done` is set by its last one."""
+
+    def __init__(self):
+        self.events, self.done = [], threading.Event()
+
+    def __call__(self, item):
+        self.events.append(item)
+        if item[0] in ("done", "error"):
+            self.done.set()
+
+    def wait(self):
+        assert self.done.wait(60), "the worker did not finish the job"
+        kind, value = self.events[-1]
+        return "".join(v for k, v in self.events if k == "text"), value
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_target, tiny_close):
+    eng = Engine(tiny_target, tiny_close, ctx=1024, threads=1)
+    w = Worker(eng, ServerMetrics(), max_queue=4)
+    yield w
+    w.stop()
+    eng.close()
+
+
+def run_job(worker, prompt, settings=SETTINGS, stops=()):
+    c = Collector()
+    worker.submit(Job(list(prompt), settings, tuple(stops), c))
+    return c.wait()
+
+
+def test_the_shared_prefix_is_not_decoded_again(worker):
+    eng = worker.engine
+    base = eng.tokenize("def fibonacci(n):\n    if n < 2:")
+    run_job(worker, base + eng.tokenize(" return"))
+    decoded = []
+    eng.tgt_ctx.on_decode = lambda name, n: decoded.append(n)
+    try:
+        text, out = run_job(worker, base + eng.tokenize(" print"))
+    finally:
+        eng.tgt_ctx.on_decode = None
+    assert out.n_reused >= len(base) - 1 > 0
+    # the prefill decoded only what follows the reused prefix (the first decode of the generation)
+    assert decoded[0] == out.n_prompt - 1 - out.n_reused
+    fresh = Engine(eng.target.path, eng.draft.path, ctx=1024, threads=1)
+    try:
+        ref = fresh.session().generate(base + eng.tokenize(" print"), SETTINGS, speculative=False).run()
+    finally:
+        fresh.close()
+    assert text == ref.text and out.stats.n_drafted > 0
+
+
+def test_a_stop_string_inside_a_step_rolls_both_caches_back(worker):
+    eng, ses = worker.engine, worker.session
+    prompt = eng.tokenize("The quick brown fox")
+    full, _ = run_job(worker, prompt, GenerationSettings(n_predict=60, draft_max=4))
+    for i in range(4, len(full) - 2):
+        stop = full[i:i + 2]
+        if "\ufffd" in stop or full.find(stop) != i:
+            continue
+        text, out = run_job(worker, prompt, GenerationSettings(n_predict=60, draft_max=4), stops=[stop])
+        assert text == full[:i] and out.finish == "stop"
+        if out.stats.n_generated > out.n_completion:  # the stop ended inside a multi-token step
+            assert len(ses.history) == len(prompt) + out.n_completion
+            kept = eng.target.detokenize(ses.history[len(prompt):])
+            assert kept.startswith(full[:i]) and kept.endswith(stop)
+            assert ses.tgt.tokens == ses.history[:-1] and ses.dft.tokens == ses.history[:len(ses.dft.tokens)]
+            return
+    pytest.fail("no stop string ended inside a multi-token step")
+
+
+def test_a_cancelled_job_stops_within_a_step(worker):
+    eng = worker.engine
+    c = Collector()
+    job = Job(eng.tokenize("for i in range(10):"), GenerationSettings(n_predict=500, draft_max=4), (), None)
+
+    def emit(item):
+        c(item)
+        if item[0] == "text" and len(c.events) == 3:
+            job.cancel()
+
+    job.emit = emit
+    cancelled = lambda: worker.metrics.registry.get_sample_value("specq:requests_cancelled_total")  # noqa: E731
+    before = cancelled()
+    worker.submit(job)
+    _, out = c.wait()
+    assert out.finish == "interrupted" and out.n_completion <= 3 * (4 + 1)
+    assert cancelled() == before + 1
+    ses = worker.session  # the target holds all but the last token; the draft a prefix (it catches up)
+    assert ses.tgt.tokens == ses.history[:-1] and ses.dft.tokens == ses.history[:len(ses.dft.tokens)]
+
+
+def test_the_queue_is_bounded(tiny_target):
+    eng = Engine(tiny_target, None, ctx=256, threads=1)
+    w = Worker(eng, ServerMetrics(), max_queue=0)
+    gate = threading.Event()
+    first = Collector()
+
+    def slow_emit(item):  # holds the worker until the test has tried a second job
+        gate.wait(30)
+        first(item)
+
+    try:
+        w.submit(Job(eng.tokenize("The quick"), GenerationSettings(n_predict=4), (), slow_emit))
+        with pytest.raises(QueueFull) as e:
+            w.submit(Job(eng.tokenize("The quick"), GenerationSettings(n_predict=4), (), Collector()))
+        assert e.value.status == 503 and e.value.headers == {"Retry-After": "1"}
+    finally:
+        gate.set()
+        first.wait()
+        w.stop()
+        eng.close()
