@@ -205,16 +205,22 @@ def _make_event_stream_response():
         async def __call__(self, scope, receive, send) -> None:
             import anyio
 
-            async with anyio.create_task_group() as tg:
-                async def stream() -> None:
-                    with contextlib.suppress(OSError):
-                        await self.stream_response(send)
-                    tg.cancel_scope.cancel()
+            finished = False
+            try:
+                async with anyio.create_task_group() as tg:
+                    async def stream() -> None:
+                        nonlocal finished
+                        with contextlib.suppress(OSError):
+                            await self.stream_response(send)
+                            finished = True
+                        tg.cancel_scope.cancel()
 
-                tg.start_soon(stream)
-                await _until_disconnect(receive)
-                self.on_disconnect()
-                tg.cancel_scope.cancel()
+                    tg.start_soon(stream)
+                    await _until_disconnect(receive)
+                    tg.cancel_scope.cancel()
+            finally:
+                if not finished:  # the client left, or the server's drain timed out and cancelled us
+                    self.on_disconnect()
 
     return EventStream
 
@@ -302,12 +308,15 @@ class Handlers:
 
         task = asyncio.ensure_future(answer())
         gone = asyncio.ensure_future(_until_disconnect(request.receive))
-        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():  # the client left (or the drain timed out): stop its generation
+                job.cancel()
+                task.cancel()
+            gone.cancel()
         if task not in done:
-            job.cancel()
-            task.cancel()
             raise ApiError(499, "the client closed the connection", "client_closed")
-        gone.cancel()
         text, outcome = task.result()
         return _json(full_response(ids, text, outcome))
 

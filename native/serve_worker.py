@@ -101,6 +101,8 @@ class Worker:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._in_system = 0  # waiting + running
+        self._current: Job | None = None
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="specq-engine", daemon=True)
         self._thread.start()
 
@@ -121,17 +123,26 @@ class Worker:
         self._jobs.put(job)
 
     def stop(self) -> None:
-        """Finish the jobs already queued, then end the thread."""
+        """End the thread once the HTTP server has drained: whatever still runs or waits has no client left."""
+        with self._lock:
+            self._stopping = True
+            if self._current is not None:
+                self._current.cancel()
         self._jobs.put(None)
         self._thread.join()
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
+            with self._lock:
+                self._current = job
+                if self._stopping:
+                    job.cancel()
             self.metrics.processing.set(1)
             try:
                 self._serve(job)
             finally:
                 with self._lock:
+                    self._current = None
                     self._in_system -= 1
                     self.metrics.deferred.set(max(0, self._in_system - 1))
                 self.metrics.processing.set(0)
@@ -139,6 +150,7 @@ class Worker:
     def _serve(self, job: Job) -> None:
         if job.cancelled.is_set():  # the client left while waiting
             self.metrics.cancelled.inc()
+            job.emit(("error", ApiError(499, "the request was cancelled", "cancelled")))
             return
         try:
             outcome = self._generate(job)
