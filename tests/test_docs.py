@@ -42,7 +42,7 @@ def shell_commands(body: str) -> list[list[str]]:
         tokens = shlex.split(line, comments=True)
         segment: list[str] = []
         for tok in tokens + ["|"]:
-            if tok in ("|", "&&", ";", "||"):
+            if tok in ("|", "&&", ";", "||", "&"):
                 while segment and (re.match(r"^[A-Z_][A-Z0-9_]*=", segment[0]) or segment[0] == "env"):
                     segment.pop(0)  # VAR=value and `env` prefixes
                 if segment and segment[0] == "specq":
