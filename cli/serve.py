@@ -92,9 +92,10 @@ def main(
     quiet: Quiet = False,
 ) -> None:
     from ..native.placement import resolve_placement
-    from ..native.serve import ServeConfig, bind_socket, open_server
+    from ..native.serve import ServeConfig, bind_socket, open_server, require_serve_extra
 
     setup_logging(verbose, quiet)
+    require_serve_extra()
     target, draft, suggested = resolve_pair(pair, target, draft, click_ctx)
     ctx = suggested.get("ctx", ctx)
     defaults = settings_from_flags(suggested, n_predict=max_tokens, draft_max=draft_max, draft_min=draft_min,

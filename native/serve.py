@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import errno
 import hmac
+import importlib.util
 import logging
 import random
 import signal
@@ -26,10 +27,20 @@ from .chat import TemplateFormatter, load_template
 from .engine import Engine, GenerationSettings
 from .serve_api import (ApiError, ApiRequest, Limits, ResponseIds, chunk, full_response, parse_json,
                         parse_request, settings_for, sse, usage_chunk)
-from .serve_metrics import ServerMetrics
 from .serve_worker import Job, Worker
 
 log = logging.getLogger("specq.serve")
+
+
+SERVE_MODULES = ("starlette", "uvicorn", "prometheus_client")
+
+
+def require_serve_extra() -> None:
+    """The server's dependencies come as the `serve` extra; say so instead of an ImportError."""
+    missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SpecqError(f"specq serve needs the serve extra ({', '.join(missing)} not installed); "
+                         "run `pip install 'specq[serve]'`")
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,8 @@ class ServerState:
         # A model without a chat template still serves /v1/completions.
         self.formatter = TemplateFormatter(template, self.bos_text, eos_text) if template else None
         self.limits = Limits(max_tokens=cfg.max_tokens, model_id=model_name, draft=engine.draft is not None)
+        from .serve_metrics import ServerMetrics
+
         self.metrics = ServerMetrics()
         self.worker = Worker(engine, self.metrics, cfg.max_queue)
 
@@ -240,8 +253,9 @@ class Handlers:
                 resp = await fn(request)
             except ApiError as e:
                 resp = error_response(e)
-            except Exception:
-                log.debug("handler for %s crashed", endpoint, exc_info=True)
+            except Exception as e:
+                log.warning("%s failed (%s: %s); -v shows where", endpoint, type(e).__name__, e)
+                log.debug("the traceback", exc_info=True)
                 resp = error_response(ApiError(500, "internal error; run the server with -v for details",
                                                "internal_error", "server_error"))
             self.state.metrics.requests.labels(endpoint=endpoint, status=str(resp.status_code)).inc()

@@ -12,12 +12,14 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import SpecqError
 from .engine import Engine, GenerationSettings
 from .serve_api import ApiError, Outcome
-from .serve_metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from .serve_metrics import ServerMetrics
 
 log = logging.getLogger("specq.serve")
 
@@ -92,7 +94,7 @@ class QueueFull(ApiError):
 class Worker:
     """Runs Jobs one at a time on one engine session; at most `max_queue` wait behind the running one."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int):
+    def __init__(self, engine: Engine, metrics: "ServerMetrics", max_queue: int):
         self.engine = engine
         self.session = engine.session()
         self.speculative = engine.draft is not None
@@ -159,8 +161,9 @@ class Worker:
             self.session.reset()  # the caches' state after a failed decode is unknown: start clean
             job.emit(("error", ApiError(500, f"generation failed: {e}", "generation_failed", "server_error")))
             return
-        except Exception:
-            log.debug("generation crashed", exc_info=True)
+        except Exception as e:
+            log.warning("generation failed (%s: %s); -v shows where", type(e).__name__, e)
+            log.debug("the traceback", exc_info=True)
             self.session.reset()
             job.emit(("error", ApiError(500, "internal error during generation; run the server with -v "
                                              "for details", "internal_error", "server_error")))

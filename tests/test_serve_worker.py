@@ -190,3 +190,23 @@ def test_the_queue_is_bounded(tiny_target):
         first.wait()
         w.stop()
         eng.close()
+
+
+# ---- set-up errors and warnings ----------------------------------------------------------------------------
+def test_a_missing_serve_extra_is_one_actionable_error(monkeypatch):
+    from specq.errors import SpecqError
+    from specq.native import serve
+
+    real = serve.importlib.util.find_spec
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    with pytest.raises(SpecqError, match=r"\(uvicorn not installed\); run `pip install 'specq\[serve\]'`"):
+        serve.require_serve_extra()
+
+
+def test_listening_beyond_loopback_warns_loudest_without_a_key():
+    from specq.cli.serve import _exposure_warning
+
+    assert _exposure_warning("127.0.0.1", None) is None and _exposure_warning("::1", None) is None
+    assert _exposure_warning("localhost", None) is None
+    assert "WITHOUT an API key" in _exposure_warning("0.0.0.0", None)
+    assert "anyone who can reach this machine" in _exposure_warning("0.0.0.0", "k")
