@@ -31,11 +31,11 @@ UNSUPPORTED = {
     "echo": "echo is not supported",
     "suffix": "suffix (insertion) is not supported",
 }
-# The value of an unsupported field that asks for nothing beyond the default, so clients that send defaults work.
-_HARMLESS = {"n": (1,), "best_of": (1,), "logprobs": (False, None, 0), "top_logprobs": (0, None),
-             "tools": ([], None), "tool_choice": ("none", None), "functions": ([], None), "function_call": ("none", None),
-             "response_format": ({"type": "text"}, None), "logit_bias": ({}, None), "frequency_penalty": (0, 0.0, None),
-             "presence_penalty": (0, 0.0, None), "echo": (False, None), "suffix": (None, "")}
+# Values of those fields that ask for nothing beyond the default (null always does), so clients sending defaults work.
+_HARMLESS = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "tools": ([],),
+             "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+             "response_format": ({"type": "text"},), "logit_bias": ({},), "frequency_penalty": (0,),
+             "presence_penalty": (0,), "echo": (False,), "suffix": ("",)}
 
 
 class ApiError(SpecqError):
@@ -110,7 +110,7 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 def refuse_unsupported(body: dict) -> None:
     for name, why in UNSUPPORTED.items():
-        if name in body and body[name] not in _HARMLESS.get(name, (None,)):
+        if body.get(name) is not None and body[name] not in _HARMLESS.get(name, ()):
             raise ApiError(400, f"'{name}' is not supported by specq serve: {why}", "unsupported_parameter",
                            param=name)
 

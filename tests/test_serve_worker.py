@@ -71,7 +71,8 @@ def test_parse_request_names_the_bad_field(body, param):
 
 def test_defaults_that_ask_for_nothing_are_accepted():
     parse_request({"prompt": "x", "n": 1, "logprobs": False, "tools": [], "frequency_penalty": 0,
-                   "response_format": {"type": "text"}, "drafter": "model"}, "completion", LIMITS)
+                   "response_format": {"type": "text"}, "drafter": "model", "logit_bias": None, "best_of": None},
+                  "completion", LIMITS)
     with pytest.raises(ApiError):
         parse_json(b"\xff\xfe")
 
