@@ -5,16 +5,19 @@ after the other, to a server on a loopback port; every request is bounded by a t
 requests. Reported per server and N: requests/s, time to first token (p50/p99), latency (p50/p99), the
 tokens/s each client sees (its tokens over its own busy time, averaged over clients) and the total tokens/s.
 Both servers run one generation at a time (llama-cpp-python's behind a lock, specq's in its worker), so
-they differ in what each generation costs and in how they queue. llama-cpp-python runs with
-`--interrupt_requests False`: by default a new request cuts the running stream short, which would make its
-concurrent runs finish fast with truncated answers.
+they differ in what each generation costs and in how they queue. Both servers are up at once and take
+turns for each N, so a shared machine's load hits both alike. llama-cpp-python runs with
+`--interrupt_requests False` (by default a new request cuts the running stream short, which would make its
+concurrent runs finish fast with truncated answers) and each request asks it for no repeat penalty (its
+default is 1.1), so both write the target's greedy text; the run reports for how many prompts every answer,
+from both servers at every N, was the same.
 
 llama-cpp-python's server runs from its own virtual environment (its FastAPI stack stays out of specq's):
     python3 -m venv /tmp/llama-server-venv
     /tmp/llama-server-venv/bin/pip install "llama-cpp-python[server]==0.3.36" -c .ci/constraints.txt
-Run (the demo pair; a few minutes on 2 cores):
-    python benchmarks/serve_load.py --clients 1,4,16 --requests 2 --max-tokens 64 \
-        --reference-python /tmp/llama-server-venv/bin/python --json benchmarks/results/serve_load-cpu2.json
+Run (the demo pair; about ten minutes on 2 cores; again with --draft-max 8):
+    python benchmarks/serve_load.py --clients 1,4,16 --requests 2 --max-tokens 64 --draft-max auto \
+        --reference-python /tmp/llama-server-venv/bin/python --json benchmarks/results/serve_load-kauto-cpu2.json
 """
 
 from __future__ import annotations
@@ -94,28 +97,36 @@ class Server:
         self._f.close()
 
 
-def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streaming chat request: time to first token, latency, tokens (usage, else content chunks)."""
+def one_request(client, model: str, prompt: str, max_tokens: int, extra: dict) -> dict:
+    """One streaming chat request: time to first token, latency, tokens (from usage; a server without
+    stream usage: max_tokens when it stopped for length, else its content chunks)."""
     t0 = time.perf_counter()
     first = None
     chunks = 0
-    usage = None
+    usage = finish = None
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                             max_tokens=max_tokens, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+                                            stream_options={"include_usage": True}, extra_body=extra)
+    text = []
     for ch in stream:
         if ch.choices and ch.choices[0].delta.content:
+            text.append(ch.choices[0].delta.content)
             chunks += 1
             if first is None:
                 first = time.perf_counter()
+        if ch.choices and ch.choices[0].finish_reason:
+            finish = ch.choices[0].finish_reason
         if getattr(ch, "usage", None):
             usage = ch.usage
     t1 = time.perf_counter()
-    n = usage.completion_tokens if usage else chunks
-    return {"ttft_s": (first or t1) - t0, "latency_s": t1 - t0, "tokens": n, "usage_reported": usage is not None}
+    n = usage.completion_tokens if usage else (max_tokens if finish == "length" else chunks)
+    return {"ttft_s": (first or t1) - t0, "latency_s": t1 - t0, "tokens": n, "usage_reported": usage is not None,
+            "finish_reason": finish, "text": "".join(text)}
 
 
-def run_load(url: str, model: str, prompts: list[str], n_clients: int, n_requests: int, max_tokens: int) -> dict:
+def run_load(url: str, model: str, prompts: list[str], n_clients: int, n_requests: int, max_tokens: int,
+             extra: dict | None = None, texts: dict | None = None, label: str = "") -> dict:
+    """N clients × R requests; `texts` collects each prompt's answers: {prompt index: {text: {who}}}."""
     import openai
 
     results: list[list[dict]] = [[] for _ in range(n_clients)]
@@ -124,8 +135,11 @@ def run_load(url: str, model: str, prompts: list[str], n_clients: int, n_request
     def client_loop(c: int) -> None:
         cl = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
         for r in range(n_requests):
+            i = (c * n_requests + r) % len(prompts)
             try:
-                results[c].append(one_request(cl, model, prompts[(c * n_requests + r) % len(prompts)], max_tokens))
+                results[c].append(one_request(cl, model, prompts[i], max_tokens, extra or {}))
+                if texts is not None:
+                    texts.setdefault(i, {}).setdefault(results[c][-1]["text"], set()).add(f"{label} N={n_clients}")
             except Exception as e:  # a failed request is reported, not retried
                 errors.append(f"client {c}: {type(e).__name__}: {e}")
 
@@ -148,6 +162,7 @@ def run_load(url: str, model: str, prompts: list[str], n_clients: int, n_request
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
         "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
         "usage_reported": all(r["usage_reported"] for r in rows),
+        "finish_reasons": {f: sum(r["finish_reason"] == f for r in rows) for f in {r["finish_reason"] for r in rows}},
     }
 
 
@@ -159,20 +174,44 @@ def pct(sorted_values: list[float], p: float) -> float | None:
     return sorted_values[k]
 
 
-def bench_server(name: str, server: Server, prompts: list[str], a) -> list[dict]:
+def model_of(server: Server) -> str:
     import openai
 
-    model = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none").models.list().data[0].id
-    run_load(server.url, model, prompts, 1, 1, a.max_tokens)  # warm-up: first-touch of the weights
-    out = []
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none").models.list().data[0].id
+
+
+def report(row: dict) -> None:
+    print(f"{row['server']:>18} N={row['clients']:>2}: {row['requests_per_s']:.2f} req/s, TTFT p50 "
+          f"{row['ttft_p50_s']:.2f}s p99 {row['ttft_p99_s']:.2f}s, latency p50 {row['latency_p50_s']:.2f}s p99 "
+          f"{row['latency_p99_s']:.2f}s, {row['tokens_per_s_per_client']:.1f} tok/s per client, "
+          f"{row['total_tokens_per_s']:.1f} tok/s total", file=sys.stderr, flush=True)
+
+
+# llama-cpp-python's server applies a repeat penalty of 1.1 unless told otherwise: off, so that both servers
+# write the target's own greedy text (the same work, and a check that specq's is exact under load).
+EXTRA = {"specq serve": {}, "llama-cpp-python": {"repeat_penalty": 1.0}}
+
+
+def bench_interleaved(servers: dict[str, Server], prompts: list[str], a) -> tuple[list[dict], dict]:
+    """For each N, each server in turn: both see the machine in about the same state (it is shared).
+    Also: for how many prompts every answer of every server was the same text."""
+    models = {name: model_of(srv) for name, srv in servers.items()}
+    for name, srv in servers.items():  # warm-up: first touch of the weights
+        run_load(srv.url, models[name], prompts, 1, 1, a.max_tokens, EXTRA[name])
+    rows = []
+    texts: dict[int, dict] = {}
     for n in a.clients:
-        row = {"server": name, **run_load(server.url, model, prompts, n, a.requests, a.max_tokens)}
-        print(f"{name:>18} N={n:>2}: {row['requests_per_s']:.2f} req/s, TTFT p50 {row['ttft_p50_s']:.2f}s "
-              f"p99 {row['ttft_p99_s']:.2f}s, latency p50 {row['latency_p50_s']:.2f}s p99 {row['latency_p99_s']:.2f}s, "
-              f"{row['tokens_per_s_per_client']:.1f} tok/s per client, {row['total_tokens_per_s']:.1f} tok/s total",
-              file=sys.stderr, flush=True)
-        out.append(row)
-    return out
+        for name, srv in servers.items():
+            row = {"server": name, **run_load(srv.url, models[name], prompts, n, a.requests, a.max_tokens,
+                                              EXTRA[name], texts, name)}
+            report(row)
+            rows.append(row)
+    same = {"prompts": len(texts), "identical": sum(len(v) == 1 for v in texts.values()),
+            "differing": {i: [{"text": t, "from": sorted(who)} for t, who in v.items()]
+                          for i, v in texts.items() if len(v) > 1}}
+    print(f"answers identical across servers and loads: {same['identical']} of {same['prompts']} prompts",
+          file=sys.stderr, flush=True)
+    return rows, same
 
 
 def main() -> None:
@@ -192,30 +231,31 @@ def main() -> None:
     target, draft = demo_pair()
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     specq_bin = str(Path(sys.executable).parent / "specq")
-    rows = []
+    load0 = os.getloadavg()  # the machine is shared: say how busy it was
+    servers: dict[str, Server] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        srv = Server([specq_bin, "serve", "--host", "127.0.0.1", "--port", "0", "--threads", str(a.threads),
-                      "--draft-max", a.draft_max, "--max-queue", "64", "--max-tokens", str(a.max_tokens)],
-                     Path(tmp) / "specq.log", None)
         try:
-            rows += bench_server("specq serve", srv, prompts, a)
+            servers["specq serve"] = Server(
+                [specq_bin, "serve", "--host", "127.0.0.1", "--port", "0", "--threads", str(a.threads),
+                 "--draft-max", a.draft_max, "--max-queue", "64", "--max-tokens", str(a.max_tokens)],
+                Path(tmp) / "specq.log", None)
+            if a.reference_python:
+                port = free_port()
+                servers["llama-cpp-python"] = Server(
+                    [a.reference_python, "-m", "llama_cpp.server", "--model", str(target), "--host", "127.0.0.1",
+                     "--port", str(port), "--n_ctx", "4096", "--n_threads", str(a.threads),
+                     "--n_threads_batch", str(a.threads), "--verbose", "False",
+                     # by default a new request interrupts the running stream; queue them instead, like specq
+                     "--interrupt_requests", "False"],
+                    Path(tmp) / "reference.log", port)
+            rows, same = bench_interleaved(servers, prompts, a)
         finally:
-            srv.stop()
-        if a.reference_python:
-            port = free_port()
-            ref = Server([a.reference_python, "-m", "llama_cpp.server", "--model", str(target), "--host", "127.0.0.1",
-                          "--port", str(port), "--n_ctx", "4096", "--n_threads", str(a.threads),
-                          "--n_threads_batch", str(a.threads), "--verbose", "False",
-                          # by default a new request interrupts the running stream; queue them instead, like specq
-                          "--interrupt_requests", "False"],
-                         Path(tmp) / "reference.log", port)
-            try:
-                rows += bench_server("llama-cpp-python", ref, prompts, a)
-            finally:
-                ref.stop()
+            for srv in servers.values():
+                srv.stop()
     doc = {"target": target.name, "draft": draft.name, "settings": {k: v for k, v in vars(a).items()
                                                                     if k not in ("json", "reference_python")},
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "runs": rows}
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": load0,
+                       "load_after": os.getloadavg()}, "identical_answers": same, "runs": rows}
     if a.json:
         Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
 
