@@ -330,11 +330,15 @@ class Context(_Handle):
     def decode(self, tokens, pos0: int, logits: str = "last") -> None:
         """Evaluate `tokens` at positions pos0.. ; logits: "last", "all" or "none".
 
-        Batches longer than n_batch are split; only the final chunk produces the requested outputs.
+        Batches longer than n_batch are split (a prefill); logits="all" must fit in one batch, since only
+        one chunk's outputs can be read back.
         """
         n = len(tokens)
         if n == 0:
             return
+        if logits == "all" and n > self.n_batch:
+            raise SpecqError(f"{self.name}: {n} tokens with logits for all exceed the batch size ({self.n_batch}); "
+                             "this is a bug in the caller")
         if pos0 + n > self.n_ctx:
             raise ContextFullError(
                 f"{self.name} context is full ({pos0 + n} tokens > ctx {self.n_ctx}); use a larger --ctx")

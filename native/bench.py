@@ -97,6 +97,7 @@ def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, setti
         "verify_ms": st.verify_ms if spec else None,
         "n_plain_steps": st.n_plain_steps if spec else None,  # draft_max=auto: steps it chose not to draft
         "n_probes": st.n_probes if spec else None,
+        "n_restores": st.n_restores,  # checkpoint restores (targets or drafts that cannot drop part of a sequence)
         "decode_ms": st.decode_ms, "overhead_fraction": st.overhead_fraction, "stop_reason": st.stop_reason,
     }
     return row

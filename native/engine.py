@@ -21,7 +21,7 @@ from . import _ffi
 from .accept import accepted_per_position, greedy_emit, rejection_emit, top_probability
 from .adaptive import AdaptiveDraft
 from .compat import VocabInfo, check_compatible
-from .sampling import SparseDist, Transform, sample
+from .sampling import SparseDist, Transform, restrict, sample
 
 log = logging.getLogger("specq.engine")
 
@@ -146,7 +146,7 @@ class GenerationStats(Rates):
     verify_ms: float
     gen_ms: float
     decode_ms: float  # time inside llama_decode (both models) during generation
-    n_restores: int  # checkpoint restores (targets that cannot remove part of a sequence)
+    n_restores: int  # checkpoint restores, both models (memories that cannot remove part of a sequence)
     stop_reason: str  # "eog" | "n_predict" | "ctx" | "interrupted"
     accept_mode: str = "greedy"  # "greedy" | "match" | "rejection"
     sample_ms: float = 0.0  # rejection mode: time in the sampling transform and acceptance (both models)
@@ -170,13 +170,22 @@ class _Cache:
     n_restores: int = 0
 
     def truncate(self, n: int) -> None:
-        """Make the memory hold exactly tokens[:n] (n ≤ len(tokens))."""
-        if n >= len(self.tokens):
+        """Make the memory hold exactly tokens[:n], whatever an interrupted call left in it.
+
+        The memory is the source of truth: `extend` records tokens before decoding them, so after an
+        exception anywhere the list may claim more than the memory holds (never the reverse), and
+        positions past the list are removed whatever the list says."""
+        held = self.ctx.pos_max() + 1
+        if held < len(self.tokens):  # a decode that did not complete: its tokens are not in the memory
+            del self.tokens[held:]
+        n = min(n, len(self.tokens))
+        if held <= n:
             return
         if self.ctx.seq_rm(n, -1):
             del self.tokens[n:]
             return
         # Recurrent/hybrid memory: go back to the checkpoint, then re-evaluate up to n.
+        keep = self.tokens[:n]
         if self.checkpoint is None or self.checkpoint[0] > n:
             self.ctx.clear()
             base = 0
@@ -185,18 +194,22 @@ class _Cache:
             self.ctx.state_set(state)
             self.ctx.seq_rm(base, -1)  # hybrid: the attention part still holds the later positions
             self.n_restores += 1
-        keep = self.tokens[:n]
         del self.tokens[base:]
-        self.ctx.decode(keep[base:], base, logits="none")
-        self.tokens.extend(keep[base:])
+        self.extend(keep[base:], logits="none")
 
     def save_checkpoint(self) -> None:
         if not self.partial_rm:
             self.checkpoint = (len(self.tokens), self.ctx.state_get())
 
     def extend(self, new: list[int], logits: str) -> None:
-        self.ctx.decode(new, len(self.tokens), logits=logits)
-        self.tokens.extend(new)
+        n0 = len(self.tokens)
+        self.tokens.extend(new)  # recorded first: an interruption leaves the list ahead of the memory
+        self.ctx.decode(new, n0, logits=logits)
+
+    def clear(self) -> None:
+        self.tokens.clear()
+        self.checkpoint = None
+        self.ctx.clear()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -265,7 +278,8 @@ class Engine:
                 self.draft = _ffi.Model(draft, n_gpu_layers=ngl_draft, main_gpu=main_gpu,
                                         tensor_split=draft_tensor_split, devices=draft_devices, cpu_amx=cpu_amx)
                 check_compatible(VocabInfo.of(self.target), VocabInfo.of(self.draft))
-            self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=n_batch,
+            # A verify batch [last, d1..dn] must be one decode with logits at every row: never split it.
+            self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=max(n_batch, DRAFT_MAX_CAP + 1),
                                         n_outputs_max=DRAFT_MAX_CAP + 1, name="target")
             self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,
                                          n_batch=draft_n_batch or n_batch, n_outputs_max=1, name="draft")
@@ -354,13 +368,16 @@ class Session:
         self.history = []
         for c in (self.tgt, self.dft):
             if c is not None:
-                c.ctx.clear()
-                c.tokens.clear()
-                c.checkpoint = None
+                c.clear()
 
     @property
     def n_ctx(self) -> int:
         return self.engine.n_ctx
+
+    @property
+    def n_restores(self) -> int:
+        """Checkpoint restores so far, both models (memories that cannot drop part of a sequence)."""
+        return sum(c.n_restores for c in (self.tgt, self.dft) if c is not None)
 
     def controller(self, s: GenerationSettings) -> AdaptiveDraft:
         """The draft_max="auto" controller for these sampling settings. It lives as long as the session
@@ -398,11 +415,14 @@ class Session:
                 if tok >= n_vocab_tgt or (p_min > 0 and top_probability(row) < p_min):
                     break
             else:
+                # Sample only ids the target has (renormalised): stopping on a sampled id it lacks would make
+                # the stop depend on the sampled value and bias the output law.
                 ts = clock()
-                q = samp.draft_tf(row)
-                tok = sample(q, samp.rng)
+                q = restrict(samp.draft_tf(row), n_vocab_tgt)
+                stop = q is None or (p_min > 0 and q.top_prob() < p_min)
+                tok = -1 if stop else sample(q, samp.rng)
                 samp.sample_s += clock() - ts
-                if tok >= n_vocab_tgt or (p_min > 0 and q.top_prob() < p_min):
+                if stop:
                     break
                 dists.append(q)
             drafts.append(tok)
@@ -525,7 +545,7 @@ class Generation:
             accepted_per_pos=tuple(accepted_per_position(p.accepted, s.draft_cap)) if self.speculative else (),
             prompt_ms=p.prompt_s * 1e3, draft_ms=p.draft_s * 1e3, verify_ms=p.verify_s * 1e3,
             gen_ms=gen_s * 1e3, decode_ms=(sum(c.decode_s for c in self._ctxs) - p.decode0) * 1e3,
-            n_restores=self.session.tgt.n_restores - p.restores0, stop_reason=stop,
+            n_restores=self.session.n_restores - p.restores0, stop_reason=stop,
             accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
                 "greedy" if s.temp <= 0 else "sample"),
             sample_ms=samp.sample_s * 1e3 if samp else 0.0,
@@ -553,7 +573,7 @@ class Generation:
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         stop = "interrupted"
         p.decode0 = sum(c.decode_s for c in self._ctxs)
-        p.restores0 = ses.tgt.n_restores
+        p.restores0 = ses.n_restores
         p.t_gen0 = self._clock()
         try:
             while True:
@@ -576,9 +596,6 @@ class Generation:
                 p.n_steps += 1
                 p.draft_s += step.draft_s
                 p.verify_s += step.verify_s
-                if step.n_drafted:
-                    p.n_drafted += step.n_drafted
-                    p.accepted.append(len(step.emitted) - 1)
                 done = None
                 events = []
                 for i, tok in enumerate(step.emitted):
@@ -594,6 +611,11 @@ class Generation:
                     if remaining is not None and len(self.tokens) >= s.n_predict:
                         done = "n_predict"
                         break
+                if step.n_drafted:
+                    # Only positions the output reached count: an EOG or n_predict may end the generation inside a
+                    # step, and the draft tokens past it were neither emitted nor part of the answer.
+                    p.n_drafted += min(step.n_drafted, len(events))
+                    p.accepted.append(min(len(step.emitted) - 1, len(events)))
                 ses._rewind()
                 if ctrl is not None:
                     ctrl.observe(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
