@@ -291,3 +291,41 @@ def test_n_predict_ending_inside_a_step(tiny_target, n_predict):
         g = e.session().generate(toks, GenerationSettings(n_predict=n_predict, draft_max=4)).run()
     assert g.tokens == base.tokens and len(g.tokens) == n_predict
     assert g.stats.stop_reason == "n_predict" and g.stats.n_accepted == g.stats.n_drafted > 0
+
+
+# ---- 8. hybrid memories (attention + recurrent layers) on either side: restores run and stay exact ---------
+@pytest.mark.parametrize("side", ["target", "draft"])
+def test_a_hybrid_model_on_either_side_restores_and_stays_exact(side, tiny_target, tiny_qwen35):
+    # The other model is unrelated, so drafts are often rejected part-way: the hybrid side must roll back
+    # through its checkpoint, and its attention layers must drop the positions past it (seq_rm after restore).
+    target, draft = (tiny_qwen35, tiny_target) if side == "target" else (tiny_target, tiny_qwen35)
+    with Engine(target, draft, ctx=256, threads=1) as e:
+        for prompt in (PROMPT, "The quick brown fox"):
+            toks = e.tokenize(prompt)
+            base = e.session().generate(toks, GenerationSettings(n_predict=32), speculative=False).run()
+            ses = e.session()
+            g = ses.generate(toks, GenerationSettings(n_predict=32, draft_max=4)).run()
+            assert len(set(base.tokens)) > 5 and g.tokens == base.tokens, prompt
+            hybrid = ses.tgt if side == "target" else ses.dft
+            assert hybrid.n_restores > 0 and g.stats.n_restores >= hybrid.n_restores
+            assert g.stats.n_drafted > 0
+            assert_consistent(ses)
+            before, again = list(ses.history), e.tokenize(" again")
+            more = ses.generate(again, GenerationSettings(n_predict=16, draft_max=4)).run()  # on the same caches
+            # (before a new session: sessions of one engine share its contexts)
+            assert_memory_matches_a_fresh_evaluation(hybrid, target if side == "target" else draft)
+            ref = e.session().generate(before + again, GenerationSettings(n_predict=16), speculative=False).run()
+            assert more.tokens == ref.tokens
+
+
+def assert_memory_matches_a_fresh_evaluation(cache, path):
+    """The next-token logits from this cache equal a fresh evaluation of its tokens: after restores, both halves of
+    a hybrid memory (recurrent state and attention KV) hold the committed positions and nothing else. On the
+    draft side this is the only witness: a stale draft cache lowers acceptance but never changes the output."""
+    toks = list(cache.tokens)
+    cache.extend([7], logits="last")
+    after = np.array(cache.ctx.logits(1)[0])
+    with _ffi.Model(path) as m, _ffi.Context(m, 256, 1) as c:
+        c.decode(toks + [7], 0, logits="last")
+        ref = np.array(c.logits(1)[0])
+    np.testing.assert_allclose(after, ref, rtol=1e-3, atol=1e-3)
