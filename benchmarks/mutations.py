@@ -94,7 +94,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=900)
     a = ap.parse_args()
     chosen = [m for m in MUTANTS if not a.only or m.name in a.only.split(",")]
-    dirty = subprocess.run(["git", "status", "--porcelain", "native"], cwd=ROOT, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "native"], cwd=ROOT, capture_output=True, text=True).stdout
     if dirty.strip():
         raise SystemExit("native/ has uncommitted changes; commit or stash them first (the mutants edit it in place)")
     rc, failed, secs = run_tests(a.timeout)

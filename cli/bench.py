@@ -104,8 +104,8 @@ def render_table(doc: dict) -> Table:
 
 def render_sweep(doc: dict) -> Table:
     """One row per sweep point: tokens/s, speed-up, acceptance, and the ideal speed-up from the measured α and c."""
-    t = Table(title="sweep · ×: measured speed-up · ideal: from measured α and c · pred: also with the measured "
-                    "verify cost (in target tokens)", title_justify="left")
+    t = Table(title="sweep · ×: measured speed-up · pred: the cost model on the measured acceptance per position "
+                    "and costs · ideal: the same with a verify as cheap as one token", title_justify="left")
     for col in ("k", "p-min", "tok/s", "×", "accept", "acc/st", "ideal", "pred", "c", "verify"):
         t.add_column(col, justify="right")
     best = doc.get("recommendation") or {}
@@ -141,9 +141,10 @@ def cost_line(summary: dict) -> str | None:
         parts.append(f"c {summary['cost_ratio']:.3f} (draft ms/token ÷ target ms/token)")
     if summary.get("verify_cost") is not None:
         parts.append(f"verify {summary['verify_cost']:.2f}× a target token")
-    if summary.get("ideal_speedup") is not None:
-        parts.append(f"ideal {summary['ideal_speedup']:.2f}× · with measured verify "
-                     f"{summary['predicted_speedup']:.2f}× · measured {_fmt(summary['speedup'], '.2f')}×")
+    if summary.get("predicted_speedup") is not None:
+        parts.append(f"predicted {summary['predicted_speedup']:.2f}× (the measured costs and acceptance per "
+                     f"position) · ideal {_fmt(summary.get('ideal_speedup'), '.2f')}× (a verify as cheap as one "
+                     f"token) · measured {_fmt(summary['speedup'], '.2f')}×")
     return " · ".join(parts)
 
 

@@ -152,6 +152,12 @@ class GenerationStats(Rates):
     sample_ms: float = 0.0  # rejection mode: time in the sampling transform and acceptance (both models)
     n_plain_steps: int = 0  # draft_max=auto: steps that chose not to draft (probes excluded)
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning
+    # The cost model's inputs (native/cost.py): what each step drafted, verified and cost.
+    steps_by_k: tuple[tuple[int, int], ...] = ()  # (verified draft length, steps)
+    tried_per_pos: tuple[int, ...] = ()  # steps that verified position i+1 with positions 1..i accepted
+    verify_ms_by_size: tuple[tuple[int, int, float], ...] = ()  # (batch size, passes, total ms)
+    draft_next_ms: float = 0.0  # drafted tokens after a step's first, where measured: their time...
+    n_draft_next: int = 0  # ...and how many
 
     @property
     def overhead_fraction(self) -> float:
@@ -512,6 +518,26 @@ class _Progress:
     restores0: int = 0
     plain0: int = 0  # the controller's counters when this generation began (it outlives generations)
     probes0: int = 0
+    steps_by_k: dict = field(default_factory=dict)
+    tried: list[int] = field(default_factory=list)
+    verify_by_size: dict = field(default_factory=dict)
+    draft_next_s: float = 0.0
+    n_draft_next: int = 0
+
+    def record_costs(self, step: "_Step", n_emitted: int) -> None:
+        """One step's inputs to the cost model; positions past the end of the output do not count."""
+        k, a = step.n_drafted, len(step.emitted) - 1
+        self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
+        reach = min(k, a + 1, n_emitted)
+        self.tried.extend([0] * (reach - len(self.tried)))
+        for i in range(reach):
+            self.tried[i] += 1
+        v = self.verify_by_size.setdefault(k + 1, [0, 0.0])
+        v[0] += 1
+        v[1] += step.verify_s
+        if step.draft_token_s is not None and k >= 2:
+            self.draft_next_s += step.draft_token_s * (k - 1)
+            self.n_draft_next += k - 1
 
 
 class Generation:
@@ -549,7 +575,10 @@ class Generation:
             accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
                 "greedy" if s.temp <= 0 else "sample"),
             sample_ms=samp.sample_s * 1e3 if samp else 0.0,
-            n_plain_steps=ctrl.n_plain_steps - p.plain0 if ctrl else 0, n_probes=ctrl.n_probes - p.probes0 if ctrl else 0)
+            n_plain_steps=ctrl.n_plain_steps - p.plain0 if ctrl else 0, n_probes=ctrl.n_probes - p.probes0 if ctrl else 0,
+            steps_by_k=tuple(sorted(p.steps_by_k.items())), tried_per_pos=tuple(p.tried),
+            verify_ms_by_size=tuple((b, n, ms * 1e3) for b, (n, ms) in sorted(p.verify_by_size.items())),
+            draft_next_ms=p.draft_next_s * 1e3, n_draft_next=p.n_draft_next)
 
     def snapshot(self) -> GenerationStats:
         """The stats so far (stop_reason "running"); the final ones once the generation has ended."""
@@ -616,6 +645,8 @@ class Generation:
                     # step, and the draft tokens past it were neither emitted nor part of the answer.
                     p.n_drafted += min(step.n_drafted, len(events))
                     p.accepted.append(min(len(step.emitted) - 1, len(events)))
+                if self.speculative:
+                    p.record_costs(step, len(events))
                 ses._rewind()
                 if ctrl is not None:
                     ctrl.observe(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,

@@ -218,7 +218,8 @@ def eog_pair(models_dir, tiny_target):
 def test_generation_ends_at_the_end_of_generation_token(eog_pair, speculative):
     t, d, eog, at = eog_pair
     with Engine(t, d, ctx=128, threads=1) as e:
-        g = e.session().generate(e.tokenize(PROMPT), GenerationSettings(n_predict=40, draft_max=8),
+        # the first step drafts past the EOG (at index `at`, a draft position), so the step is cut there
+        g = e.session().generate(e.tokenize(PROMPT), GenerationSettings(n_predict=40, draft_max=at + 3),
                                  speculative=speculative).run()
     assert g.stats.stop_reason == "eog"
     assert g.tokens[-1] == eog and len(g.tokens) == at + 1  # nothing follows it
