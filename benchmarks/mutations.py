@@ -39,6 +39,10 @@ MUTANTS = [
     Mutant("hybrid-no-seq-rm", "no seq_rm after restoring a hybrid checkpoint (stale attention positions stay)",
            (("native/engine.py", "            self.ctx.seq_rm(base, -1)  # hybrid: the attention part still holds the later positions\n",
              ""),)),
+    Mutant("rollback-across-decodes", "a hybrid tail dropped through n_rs_seq snapshots beyond the last decode "
+                                      "(llama.cpp's seq_rm then reports success with a wrong state)",
+           (("native/engine.py", "return 0 < held - n <= self.ctx.n_rs_seq and n >= self.ctx.last_decode_pos0",
+             "return 0 < held - n <= self.ctx.n_rs_seq"),)),
     Mutant("ignore-eog", "end of generation ignored",
            (("native/engine.py", "if is_eog:\n                        done = \"eog\"", "if False:\n                        done = \"eog\""),)),
     Mutant("draft-min-ignored", "--draft-min never drops a short draft",

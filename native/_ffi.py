@@ -281,7 +281,9 @@ class Context(_Handle):
     """A llama.cpp context (the KV cache / recurrent state of one sequence) over a Model."""
 
     def __init__(self, model: Model, n_ctx: int, n_threads: int, n_batch: int = 512,
-                 n_outputs_max: int = 0, name: str = "model"):
+                 n_outputs_max: int = 0, name: str = "model", n_rs_seq: int = 0):
+        """`n_rs_seq`: recurrent-state snapshots kept for rolling back the tail of the last decode without a
+        checkpoint (llama.cpp's experimental n_rs_seq; 0 where the architecture does not support it)."""
         self.model = model
         self.name = name
         params = C.llama_context_default_params()
@@ -293,6 +295,7 @@ class Context(_Handle):
         params.n_threads_batch = int(n_threads)
         params.n_outputs_max = int(n_outputs_max)
         params.n_outputs_max_per_seq = 0  # only limits backend sampling, which specq does not use
+        params.n_rs_seq = int(n_rs_seq)
         params.no_perf = True
         handle = C.llama_init_from_model(model.handle, params)
         if not handle:
@@ -315,6 +318,8 @@ class Context(_Handle):
         self.n_outputs = 0
         self.decode_s = 0.0  # wall time spent inside llama_decode, for overhead accounting
         self.n_decode_calls = 0
+        self.n_rs_seq = int(C.llama_n_rs_seq(handle))  # what llama.cpp granted (clamped to 0 if unsupported)
+        self.last_decode_pos0 = 0  # first position of the last llama_decode: rollback snapshots cover only it
         self.on_decode = None  # called as on_decode(name, n_tokens) after each llama_decode (simulated clocks)
 
     @property
@@ -356,6 +361,7 @@ class Context(_Handle):
                 self._out[m - 1] = 1
             self._batch.n_tokens = m
             t0 = time.perf_counter()
+            self.last_decode_pos0 = pos0 + start
             rc = C.llama_decode(h, self._batch)
             self.decode_s += time.perf_counter() - t0
             self.n_decode_calls += 1
@@ -654,7 +660,3 @@ class TransformChain(_Handle):
     def _free(self, handle) -> None:
         C.llama_sampler_free(handle)
 
-
-def context_n_rs_seq(ctx: Context) -> int:
-    """Recurrent-state snapshots per sequence (0: a recurrent memory cannot roll back without a checkpoint)."""
-    return int(C.llama_n_rs_seq(ctx.handle))

@@ -102,7 +102,8 @@ def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, setti
         "verify_ms_by_size": {b: [n, ms] for b, n, ms in st.verify_ms_by_size} if spec else None,
         "draft_next_ms": st.draft_next_ms if spec else None,
         "n_draft_next": st.n_draft_next if spec else None,
-        "n_restores": st.n_restores,  # checkpoint restores (targets or drafts that cannot drop part of a sequence)
+        "n_restores": st.n_restores,
+        "n_rollbacks": st.n_rollbacks,  # recurrent/hybrid tails dropped through state snapshots instead  # checkpoint restores (targets or drafts that cannot drop part of a sequence)
         "decode_ms": st.decode_ms, "overhead_fraction": st.overhead_fraction, "stop_reason": st.stop_reason,
     }
     return row

@@ -152,6 +152,7 @@ class GenerationStats(Rates):
     sample_ms: float = 0.0  # rejection mode: time in the sampling transform and acceptance (both models)
     n_plain_steps: int = 0  # draft_max=auto: steps that chose not to draft (probes excluded)
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning
+    n_rollbacks: int = 0  # recurrent/hybrid tails dropped through state snapshots (no checkpoint restore)
     # The cost model's inputs (native/cost.py): what each step drafted, verified and cost.
     steps_by_k: tuple[tuple[int, int], ...] = ()  # (verified draft length, steps)
     tried_per_pos: tuple[int, ...] = ()  # steps that verified position i+1 with positions 1..i accepted
@@ -174,6 +175,12 @@ class _Cache:
     checkpoint: tuple[int, bytes] | None = None  # (n_tokens, state) for memories without partial removal
     partial_rm: bool = True
     n_restores: int = 0
+    n_rollbacks: int = 0  # recurrent/hybrid tails removed through llama.cpp's n_rs_seq snapshots
+
+    def _can_roll_back(self, n: int, held: int) -> bool:
+        """Whether seq_rm may drop positions n.. of a recurrent memory: the snapshots cover only the tail of the
+        last decode, at most n_rs_seq tokens (past that llama.cpp's seq_rm may report success and be wrong)."""
+        return 0 < held - n <= self.ctx.n_rs_seq and n >= self.ctx.last_decode_pos0
 
     def truncate(self, n: int) -> None:
         """Make the memory hold exactly tokens[:n], whatever an interrupted call left in it.
@@ -187,8 +194,12 @@ class _Cache:
         n = min(n, len(self.tokens))
         if held <= n:
             return
-        if self.ctx.seq_rm(n, -1):
+        if self.partial_rm and self.ctx.seq_rm(n, -1):
             del self.tokens[n:]
+            return
+        if not self.partial_rm and self._can_roll_back(n, held) and self.ctx.seq_rm(n, -1):
+            del self.tokens[n:]
+            self.n_rollbacks += 1
             return
         # Recurrent/hybrid memory: go back to the checkpoint, then re-evaluate up to n.
         keep = self.tokens[:n]
@@ -203,9 +214,14 @@ class _Cache:
         del self.tokens[base:]
         self.extend(keep[base:], logits="none")
 
-    def save_checkpoint(self) -> None:
-        if not self.partial_rm:
-            self.checkpoint = (len(self.tokens), self.ctx.state_get())
+    def save_checkpoint(self, n_next: int | None = None) -> None:
+        """Save the state before decoding `n_next` more tokens (None: several decodes) that may be rolled back;
+        not needed where the snapshots can roll the whole next decode back but its first token."""
+        if self.partial_rm:
+            return
+        if n_next is not None and n_next - 1 <= self.ctx.n_rs_seq:
+            return
+        self.checkpoint = (len(self.tokens), self.ctx.state_get())
 
     def extend(self, new: list[int], logits: str) -> None:
         n0 = len(self.tokens)
@@ -265,11 +281,13 @@ class Engine:
                  draft_tensor_split: list[float] | None = None, devices: list[str] | None = None,
                  draft_devices: list[str] | None = None, draft_ctx: int | None = None,
                  draft_threads: int | None = None, draft_n_batch: int | None = None, cpu_amx: bool = False,
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, rollback_tokens: int = AUTO_DRAFT_CAP):
         """Each model gets its own context size, batch size, threads and GPU layers (the draft's default to
         the target's); generation stops at the smaller context, since the draft holds the same tokens.
         `cpu_amx` lets llama.cpp use its AMX weight buffer, which crashes on some builds (native/cpu.py).
-        `clock` times the steps (default time.perf_counter); a SimulatedClock makes timings deterministic."""
+        `clock` times the steps (default time.perf_counter); a SimulatedClock makes timings deterministic.
+        `rollback_tokens`: on a recurrent/hybrid target, how many rejected tokens a verify can roll back through
+        llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it."""
         for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx, 16), ("--threads", threads, 1),
                                ("--threads-draft", draft_threads, 1)):
             if v is not None and v < least:
@@ -286,7 +304,8 @@ class Engine:
                 check_compatible(VocabInfo.of(self.target), VocabInfo.of(self.draft))
             # A verify batch [last, d1..dn] must be one decode with logits at every row: never split it.
             self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=max(n_batch, DRAFT_MAX_CAP + 1),
-                                        n_outputs_max=DRAFT_MAX_CAP + 1, name="target")
+                                        n_outputs_max=DRAFT_MAX_CAP + 1, name="target",
+                                        n_rs_seq=rollback_tokens if self.target.is_recurrent_or_hybrid else 0)
             self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,
                                          n_batch=draft_n_batch or n_batch, n_outputs_max=1, name="draft")
                             if self.draft is not None else None)
@@ -385,6 +404,11 @@ class Session:
         """Checkpoint restores so far, both models (memories that cannot drop part of a sequence)."""
         return sum(c.n_restores for c in (self.tgt, self.dft) if c is not None)
 
+    @property
+    def n_rollbacks(self) -> int:
+        """Recurrent/hybrid tails dropped through state snapshots so far, both models."""
+        return sum(c.n_rollbacks for c in (self.tgt, self.dft) if c is not None)
+
     def controller(self, s: GenerationSettings) -> AdaptiveDraft:
         """The draft_max="auto" controller for these sampling settings. It lives as long as the session
         (reset() included): costs and acceptance belong to the pair and the machine, not to one prompt, so
@@ -448,7 +472,7 @@ class Session:
             drafts, q = [], []
         t1 = clock()
         # One target pass over [last, d1..dn], logits at every position.
-        self.tgt.save_checkpoint()
+        self.tgt.save_checkpoint(n_next=len(drafts) + 1)  # the verify is one decode; its first token stays
         self.tgt.extend([self.history[-1]] + drafts, logits="all")
         if samp.mode == "greedy":
             emitted = greedy_emit(self.tgt.ctx.logits(len(drafts) + 1), drafts)
@@ -516,6 +540,7 @@ class _Progress:
     t_gen0: float | None = None
     decode0: float = 0.0
     restores0: int = 0
+    rollbacks0: int = 0
     plain0: int = 0  # the controller's counters when this generation began (it outlives generations)
     probes0: int = 0
     steps_by_k: dict = field(default_factory=dict)
@@ -571,7 +596,8 @@ class Generation:
             accepted_per_pos=tuple(accepted_per_position(p.accepted, s.draft_cap)) if self.speculative else (),
             prompt_ms=p.prompt_s * 1e3, draft_ms=p.draft_s * 1e3, verify_ms=p.verify_s * 1e3,
             gen_ms=gen_s * 1e3, decode_ms=(sum(c.decode_s for c in self._ctxs) - p.decode0) * 1e3,
-            n_restores=self.session.n_restores - p.restores0, stop_reason=stop,
+            n_restores=self.session.n_restores - p.restores0, n_rollbacks=self.session.n_rollbacks - p.rollbacks0,
+            stop_reason=stop,
             accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
                 "greedy" if s.temp <= 0 else "sample"),
             sample_ms=samp.sample_s * 1e3 if samp else 0.0,
@@ -602,7 +628,7 @@ class Generation:
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         stop = "interrupted"
         p.decode0 = sum(c.decode_s for c in self._ctxs)
-        p.restores0 = ses.n_restores
+        p.restores0, p.rollbacks0 = ses.n_restores, ses.n_rollbacks
         p.t_gen0 = self._clock()
         try:
             while True:

@@ -295,12 +295,14 @@ def test_n_predict_ending_inside_a_step(tiny_target, n_predict):
 
 
 # ---- 8. hybrid memories (attention + recurrent layers) on either side: restores run and stay exact ---------
-@pytest.mark.parametrize("side", ["target", "draft"])
-def test_a_hybrid_model_on_either_side_restores_and_stays_exact(side, tiny_target, tiny_qwen35):
-    # The other model is unrelated, so drafts are often rejected part-way: the hybrid side must roll back
-    # through its checkpoint, and its attention layers must drop the positions past it (seq_rm after restore).
+@pytest.mark.parametrize("side, rollback", [("target", 16), ("target", 0), ("draft", 16)])
+def test_a_hybrid_model_on_either_side_rolls_back_and_stays_exact(side, rollback, tiny_target, tiny_qwen35):
+    # The other model is unrelated, so drafts are often rejected: the hybrid side must drop the rejected tail
+    # through llama.cpp's state snapshots (a hybrid target with rollback=16) or its checkpoint (rollback=0,
+    # and always on the draft side, whose drafts span several decodes), and its attention layers must drop
+    # the positions past it too (seq_rm after a restore).
     target, draft = (tiny_qwen35, tiny_target) if side == "target" else (tiny_target, tiny_qwen35)
-    with Engine(target, draft, ctx=256, threads=1) as e:
+    with Engine(target, draft, ctx=256, threads=1, rollback_tokens=rollback) as e:
         for prompt in (PROMPT, "The quick brown fox"):
             toks = e.tokenize(prompt)
             base = e.session().generate(toks, GenerationSettings(n_predict=32), speculative=False).run()
@@ -308,7 +310,10 @@ def test_a_hybrid_model_on_either_side_restores_and_stays_exact(side, tiny_targe
             g = ses.generate(toks, GenerationSettings(n_predict=32, draft_max=4)).run()
             assert len(set(base.tokens)) > 5 and g.tokens == base.tokens, prompt
             hybrid = ses.tgt if side == "target" else ses.dft
-            assert hybrid.n_restores > 0 and g.stats.n_restores >= hybrid.n_restores
+            if rollback and side == "target":
+                assert hybrid.n_rollbacks > 0 and hybrid.n_restores == 0 and g.stats.n_rollbacks > 0
+            else:
+                assert hybrid.n_restores > 0 and hybrid.n_rollbacks == 0 and g.stats.n_restores >= hybrid.n_restores
             assert g.stats.n_drafted > 0
             assert_consistent(ses)
             before, again = list(ses.history), e.tokenize(" again")
@@ -317,6 +322,20 @@ def test_a_hybrid_model_on_either_side_restores_and_stays_exact(side, tiny_targe
             assert_memory_matches_a_fresh_evaluation(hybrid, target if side == "target" else draft)
             ref = e.session().generate(before + again, GenerationSettings(n_predict=16), speculative=False).run()
             assert more.tokens == ref.tokens
+
+
+def test_a_hybrid_target_never_rolls_back_across_decodes(tiny_target, tiny_qwen35):
+    # llama.cpp's snapshots cover only the last decode: a seq_rm further back reports success and leaves a wrong
+    # state. A conversation that drops its last turn (history cut back by several steps) must restore instead.
+    with Engine(tiny_qwen35, tiny_target, ctx=256, threads=1) as e:
+        toks = e.tokenize(PROMPT)
+        ses = e.session()
+        ses.generate(toks, GenerationSettings(n_predict=24, draft_max=4)).run()
+        del ses.history[len(toks) + 16:]  # forget 8 generated tokens: within n_rs_seq, but across decodes
+        kept, again = list(ses.history), e.tokenize(" again")
+        g = ses.generate(again, GenerationSettings(n_predict=16, draft_max=4)).run()
+        ref = e.session().generate(kept + again, GenerationSettings(n_predict=16), speculative=False).run()
+    assert g.tokens == ref.tokens
 
 
 def assert_memory_matches_a_fresh_evaluation(cache, path):
