@@ -17,6 +17,8 @@ import numpy as np
 import llama_cpp.llama_cpp as C
 
 from ..errors import ContextFullError, LlamaCallError, ModelFileError, SpecqError, UsageError
+from . import abort_guard
+from .gguf_check import check_model_file
 
 log = logging.getLogger("specq.native")
 llama_log = logging.getLogger("specq.llama")
@@ -45,6 +47,7 @@ def ensure_backend() -> None:
         return
     C.llama_log_set(_route_log, ctypes.c_void_p(0))
     C.llama_backend_init()
+    abort_guard.install()
     _backend_ready = True
 
 
@@ -93,6 +96,7 @@ def check_gguf_file(path: str | os.PathLike) -> Path:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelFileError(f"not a GGUF file ({p}); convert it with `specq convert` first")
+    check_model_file(p)  # what llama.cpp would abort on or refuse, named in Python first
     return p
 
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..errors import ModelFileError, PlanError, UsageError
-from .gguf_header import GGUFHeader, read_header
+from .gguf_check import check_model_file
+from .gguf_header import GGUFHeader
 
 log = logging.getLogger("specq.plan")
 
@@ -124,7 +125,7 @@ def _per_layer(value, n_layer: int, what: str, path: str) -> list[int]:
 
 
 def model_shape(path: str, header: GGUFHeader | None = None) -> ModelShape:
-    h = header or read_header(path)
+    h = header or check_model_file(path)  # a truncated or inconsistent file is refused, not planned
 
     def need(key: str):
         v = h.arch_key(key)
