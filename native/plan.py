@@ -36,6 +36,7 @@ N_UBATCH = 512  # specq's contexts use n_batch = n_ubatch = 512
 RESERVE_BYTES = 1 * GiB
 CACHE_TYPES = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}
 
+MAX_DEVICE_BYTES = 64 << 40  # far beyond any accelerator; larger is a typo, not a plan
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
@@ -51,6 +52,9 @@ def parse_size(text: str) -> int:
     value = float(m.group(1)) * _UNITS[unit]
     if value < 1:
         raise UsageError(f"memory size must be positive ({text!r}); write it like 24GiB")
+    if value > MAX_DEVICE_BYTES:
+        raise UsageError(f"memory size is implausibly large ({text!r}, over {MAX_DEVICE_BYTES >> 40} TiB for one "
+                         "device); write the size of one GPU like 24GiB or 80GiB")
     return int(value)
 
 
