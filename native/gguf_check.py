@@ -98,24 +98,37 @@ def _dims(h: GGUFHeader) -> dict[str, int] | None:
 
 def expected_tensors(h: GGUFHeader, n_vocab: int) -> list[Expected] | None:
     """What llama.cpp's llama/qwen2/qwen3 loaders create (src/models/*.cpp); None for other architectures."""
-    if h.arch not in ("llama", "qwen2", "qwen3") or h.arch_key("expert_count", 0):
+    if h.arch not in ARCHS or h.arch_key("expert_count", 0):
         return None
     d = _dims(h)
     if d is None:
         return None
+    fused = {int(t.name.split(".")[1]) for t in h.tensors if t.name.endswith("attn_qkv.weight")}
+    return architecture_tensors(h.arch, d, n_vocab, fused)
+
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def architecture_tensors(arch: str, d: dict[str, int], n_vocab: int, fused: set[int] = frozenset()) -> list[Expected]:
+    """The tensors of a dense llama/qwen2/qwen3 model with dimensions `d` (see _dims), in ggml order.
+
+    `fused`: layers that carry one attn_qkv instead of attn_q/k/v. The converter checks a checkpoint
+    against the same list, so what it writes is what llama.cpp will load."""
     e, q = d["n_embd"], d["head_k"] * d["n_head"]
     out = [Expected("token_embd.weight", (e, n_vocab)), Expected("output_norm.weight", (e,)),
            Expected("output.weight", (e, n_vocab), required=False)]
-    fused = {t.name.split(".")[1] for t in h.tensors if t.name.endswith("attn_qkv.weight")}
     for i in range(d["n_layer"]):
         b = f"blk.{i}."
-        sep = str(i) not in fused  # a fused attn_qkv replaces q/k/v
+        sep = i not in fused
         out += [Expected(b + "attn_norm.weight", (e,)), Expected(b + "attn_q.weight", (e, q), sep),
                 Expected(b + "attn_k.weight", (e, d["k_gqa"]), sep), Expected(b + "attn_v.weight", (e, d["v_gqa"]), sep),
+                Expected(b + "attn_q.bias", (q,), False), Expected(b + "attn_k.bias", (d["k_gqa"],), False),
+                Expected(b + "attn_v.bias", (d["v_gqa"],), False),
                 Expected(b + "attn_output.weight", (q, e)), Expected(b + "ffn_norm.weight", (e,)),
                 Expected(b + "ffn_gate.weight", (e, d["n_ff"])), Expected(b + "ffn_down.weight", (d["n_ff"], e)),
                 Expected(b + "ffn_up.weight", (e, d["n_ff"]))]
-        if h.arch == "qwen3":
+        if arch == "qwen3":
             out += [Expected(b + "attn_q_norm.weight", (d["head_k"],)), Expected(b + "attn_k_norm.weight", (d["head_k"],))]
     return out
 
