@@ -223,8 +223,9 @@ def piped(chat: ChatSession, lines: TextIO, stdout: TextIO, stderr: Console) -> 
             answer.close()
         stdout.write("\n")
         stdout.flush()
-        if answer.stats.stop_reason == "ctx":
+        if answer.stats.stop_reason == "ctx":  # the answer was cut: a script must not take it as whole
             stderr.print(answer_full_line(chat, interactive=False))
+            failed = True
     return 1 if failed else 0
 
 
