@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from ..errors import UsageError
@@ -35,8 +36,17 @@ def check_output_path(flag: str, value: str | os.PathLike | None) -> None:
         raise UsageError(f"{flag} is a folder ({p}); give a file path like {p / 'results'}")
     if not parent.is_dir():
         raise UsageError(f"{flag} folder not found ({parent}); create it first or pick another {flag} path")
-    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+    if not _can_create_in(parent) or (p.exists() and not os.access(p, os.W_OK)):
         raise UsageError(f"{flag} is not writable ({p}); check the permissions or pick another path")
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Create and remove a probe file: permission bits say nothing for root or on special file systems."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".specq-probe-"):
+            return True
+    except OSError:
+        return False
 
 
 def check_finite(**flags: float | None) -> None:

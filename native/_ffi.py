@@ -19,6 +19,7 @@ import llama_cpp.llama_cpp as C
 from ..errors import ContextFullError, LlamaCallError, ModelFileError, SpecqError, UsageError
 from . import abort_guard
 from .gguf_check import check_model_file
+from .interrupts import deferred_sigint
 
 log = logging.getLogger("specq.native")
 llama_log = logging.getLogger("specq.llama")
@@ -153,7 +154,8 @@ class Model(_Handle):
         if devices:
             self._devs = device_handles(devices)
             params.devices = ctypes.cast(self._devs, ctypes.c_void_p).value
-        handle = C.llama_model_load_from_file(str(self.path).encode(), params)
+        with deferred_sigint():  # a Ctrl-C inside the log callback would be swallowed: raise it after the load
+            handle = self._h = C.llama_model_load_from_file(str(self.path).encode(), params) or None
         if not handle:
             raise ModelFileError(
                 f"llama.cpp could not load the model ({self.path}); the file may be truncated or corrupt, "

@@ -71,6 +71,8 @@ ROWS: dict[str, Row] = {
     "plot-folder-missing": Row((*BENCH, "--target", "{target}", "--draft", "{target}", "--json", "{tmp}/out.json",
                                 "--plot", "{tmp}/no/plot.png"), 2, "--plot folder not found",
                                absent=("{tmp}/out.json",)),
+    "json-folder-not-writable": Row((*BENCH, "--target", "{target}", "--json", "/proc/specq-out.json"), 2,
+                                    "--json is not writable (/proc/specq-out.json)"),
     "tune-json-folder-missing": Row((*TUNE, "--target", "{target}", "--draft", "{target}", "--json",
                                      "{tmp}/no/t.json"), 2, "--json folder not found"),
     # -- pair manifests: a bad value is the manifest's fault (exit 1, naming it and the key) ----
@@ -88,6 +90,8 @@ ROWS: dict[str, Row] = {
     "chat-markup-open-tag": Row((*CHAT, "--target", "{target}"), 1, "/k needs a number ([red]x)", stdin="/k [red]x\n"),
     "chat-k-zero": Row((*CHAT, "--target", "{target}"), 1, "/k must be between 1 and", stdin="/k 0\n",
                        forbid="--draft-max"),
+    "chat-save-write-error": Row((*CHAT, "--target", "{target}"), 1, "(/proc/specq-chat.json); check the path",
+                                 stdin="/save /proc/specq-chat.json\n", forbid=".tmp"),
     "chat-temp-nan": Row((*CHAT, "--target", "{target}"), 1, "/temp needs a number (nan)", stdin="/temp nan\n"),
     "chat-save-to-folder": Row((*CHAT, "--target", "{target}"), 1, "not a folder", stdin="/save {tmp}\nhello\n"),
     "chat-system-too-long": Row((*CHAT, "--target", "{target}", "--ctx", "64", "--system", "{long_text}"), 1,

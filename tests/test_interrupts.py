@@ -109,3 +109,17 @@ def test_ctrl_c_while_the_demo_target_is_made(tmp_path):
     assert proc.returncode == 130 and latency < LATENCY_S, err
     assert err.strip().splitlines() == ["specq: interrupted"]
     assert [p for p in tmp_path.rglob("*") if p.is_file() and "gguf" in p.name] == []
+
+
+def test_deferred_sigint_holds_ctrl_c_until_the_c_call_returns():
+    """Around llama.cpp calls that log through a Python callback, Ctrl-C is raised after the call, never lost."""
+    from specq.native.interrupts import deferred_sigint
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_sigint():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # a KeyboardInterrupt here (or in a callback) would skip the next line
+            done.append(True)
+    assert done == [True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
