@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
+import traceback
 
-from typer.core import _click  # typer vendors its own click: its exception classes live here
+from typer.core import Abort, _click  # typer vendors its own click: its exception classes live here
 
 from .app import app
 
@@ -45,7 +46,13 @@ def run(argv: list[str]) -> int:
     except _click.exceptions.ClickException as e:
         print(f"specq: error: {' '.join(e.format_message().split())}", file=sys.stderr, flush=True)
         return e.exit_code
-    except _click.exceptions.Abort:
+    except Abort:  # click's EOF at a prompt
         print("specq: interrupted", file=sys.stderr, flush=True)
         return 130
+    except Exception as e:  # a bug in specq: still one line; -v shows the traceback to report
+        if {"-v", "--verbose"} & set(argv):
+            traceback.print_exc()
+        print(f"specq: error: internal error ({type(e).__name__}: {' '.join(str(e).split())}); this is a bug in "
+              "specq: run again with -v and report the traceback", file=sys.stderr, flush=True)
+        return 1
     return rv if isinstance(rv, int) else 0

@@ -234,3 +234,17 @@ def test_without_the_checks_llama_cpp_aborts_and_the_guard_prints_one_line(files
     assert r.returncode == 1 and "survived" not in r.stdout
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("specq: error: llama.cpp aborted (") and "GGML_ASSERT" in lines[0]
+
+
+def test_an_unexpected_exception_is_one_line_and_v_shows_the_traceback(monkeypatch, capsys):
+    from specq.cli import usage
+
+    def broken(**kw):
+        raise RuntimeError("simulated bug\nin two lines")
+
+    monkeypatch.setattr(usage, "app", broken)
+    assert usage.run(["doctor"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["specq: error: internal error (RuntimeError: simulated bug in two lines); this is a "
+                                "bug in specq: run again with -v and report the traceback"]
+    assert usage.run(["doctor", "-v"]) == 1 and "Traceback" in capsys.readouterr().err
