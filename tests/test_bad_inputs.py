@@ -248,3 +248,42 @@ def test_an_unexpected_exception_is_one_line_and_v_shows_the_traceback(monkeypat
     assert err.splitlines() == ["specq: error: internal error (RuntimeError: simulated bug in two lines); this is a "
                                 "bug in specq: run again with -v and report the traceback"]
     assert usage.run(["doctor", "-v"]) == 1 and "Traceback" in capsys.readouterr().err
+
+
+def test_convert_loads_what_it_wrote_before_reporting_success(files, tmp_path, monkeypatch):
+    """With the checkpoint check off, the written file is still refused (and removed) by the load check."""
+    from specq.convert import pipeline, plan
+    from specq.errors import ConversionError
+
+    monkeypatch.setattr(plan, "check_shapes", lambda *a: None)
+    with pytest.raises(ConversionError, match="the converted file does not load .*blk.0.ffn_up.weight is missing"):
+        pipeline.convert_pair(files["ck_missing"], tmp_path / "pair", quant=None)
+    assert list((tmp_path / "pair").iterdir()) == []
+
+
+@pytest.mark.parametrize("name, shown", [
+    ("/data/.runs.csv.1234.tmp", "/data/runs.csv"), ("/data/.m-Q8_0.gguf.99.part", "/data/m-Q8_0.gguf"),
+    ("/data/runs.csv", "/data/runs.csv"), (None, ""),
+])
+def test_write_errors_name_the_users_path(name, shown):
+    from specq.cli.checks import user_path
+
+    assert user_path(name) == shown
+
+
+def test_interactive_chat_prints_markup_as_typed(files):
+    import pexpect
+
+    child = pexpect.spawn(SPECQ, ["chat", "--target", files["target"], "--threads", "1", "--ctx", "256"],
+                          encoding="utf-8", timeout=60, dimensions=(40, 200))
+    try:
+        child.expect("Ctrl-D to leave")
+        child.sendline("/k [/bold]")
+        child.expect_exact("specq: error: /k needs a number ([/bold]); e.g. /k 4")
+        child.sendline("/k [red]x")
+        child.expect_exact("specq: error: /k needs a number ([red]x)")
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
