@@ -115,15 +115,18 @@ def architecture_tensors(arch: str, d: dict[str, int], n_vocab: int, fused: set[
 
     `fused`: layers that carry one attn_qkv instead of attn_q/k/v. The converter checks a checkpoint
     against the same list, so what it writes is what llama.cpp will load."""
-    e, q = d["n_embd"], d["head_k"] * d["n_head"]
+    e = d["n_embd"]
+    # as the loaders read them: qwen2 sizes q by n_embd, and both qwens size k like v
+    q = e if arch == "qwen2" else d["head_k"] * d["n_head"]
+    k_gqa = d["k_gqa"] if arch == "llama" else d["v_gqa"]
     out = [Expected("token_embd.weight", (e, n_vocab)), Expected("output_norm.weight", (e,)),
            Expected("output.weight", (e, n_vocab), required=False)]
     for i in range(d["n_layer"]):
         b = f"blk.{i}."
         sep = i not in fused
         out += [Expected(b + "attn_norm.weight", (e,)), Expected(b + "attn_q.weight", (e, q), sep),
-                Expected(b + "attn_k.weight", (e, d["k_gqa"]), sep), Expected(b + "attn_v.weight", (e, d["v_gqa"]), sep),
-                Expected(b + "attn_q.bias", (q,), False), Expected(b + "attn_k.bias", (d["k_gqa"],), False),
+                Expected(b + "attn_k.weight", (e, k_gqa), sep), Expected(b + "attn_v.weight", (e, d["v_gqa"]), sep),
+                Expected(b + "attn_q.bias", (q,), False), Expected(b + "attn_k.bias", (k_gqa,), False),
                 Expected(b + "attn_v.bias", (d["v_gqa"],), False),
                 Expected(b + "attn_output.weight", (q, e)), Expected(b + "ffn_norm.weight", (e,)),
                 Expected(b + "ffn_gate.weight", (e, d["n_ff"])), Expected(b + "ffn_down.weight", (d["n_ff"], e)),
@@ -133,13 +136,21 @@ def architecture_tensors(arch: str, d: dict[str, int], n_vocab: int, fused: set[
     return out
 
 
+# Architectures whose token_embd/output rows are not the token count (llama.cpp src/models/*.cpp).
+ROWS_NOT_VOCAB = ("eagle3", "qwen3vl", "wavtokenizer-dec")
+
+
 def check_tensors(h: GGUFHeader, n_tokens: int | None) -> None:
     """Embedding/output rows match the vocabulary; the architecture's tensors are all there, in their shapes."""
+    if not h.tensors:
+        return  # a vocabulary-only file: llama.cpp loads it as such and refuses it for generation itself
     by_name = {t.name: t for t in h.tensors}
     embd = by_name.get("token_embd.weight")
     for name in ("token_embd.weight", "output.weight"):
         t = by_name.get(name)
-        if t is not None and n_tokens is not None and len(t.shape) == 2 and t.shape[1] != n_tokens:
+        if h.arch in ROWS_NOT_VOCAB or t is None or n_tokens is None or len(t.shape) != 2:
+            continue
+        if t.shape[1] != n_tokens:
             raise ModelFileError(f"{name} has {t.shape[1]} rows but the vocabulary has {n_tokens} tokens "
                                  f"({h.path}); the file is inconsistent: {REDO}")
     n_vocab = n_tokens if n_tokens is not None else (embd.shape[1] if embd and len(embd.shape) == 2 else None)

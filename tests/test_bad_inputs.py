@@ -287,3 +287,13 @@ def test_interactive_chat_prints_markup_as_typed(files):
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+def test_good_files_pass_the_checks(tiny_target, tiny_close, tmp_path):
+    """The checks refuse what llama.cpp refuses, not more: normal models and a vocabulary-only file pass."""
+    from specq.native.gguf_check import check_model_file
+
+    vocab_only = write_tiny_gguf(tmp_path / "vocab-only.gguf", seed=1, edit_weights=lambda w: {})
+    padded = write_tiny_gguf(tmp_path / "padded.gguf", seed=1, spec=TinySpec(extra_rows=13))
+    for p in (tiny_target, tiny_close, vocab_only, padded):
+        check_model_file(p)
