@@ -12,9 +12,10 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 from typing import Callable
 
-from ..errors import LlamaCallError
+from ..errors import LlamaCallError, SpecqError
 
 
 def quantize_in_child(src: str | os.PathLike, dst: str | os.PathLike, ftype: int, n_threads: int = 0,
@@ -22,28 +23,30 @@ def quantize_in_child(src: str | os.PathLike, dst: str | os.PathLike, ftype: int
     """quantize() in a child process; KeyboardInterrupt kills it (the caller removes `dst`)."""
     verbose = logging.getLogger("specq.llama").isEnabledFor(logging.DEBUG)
     cmd = [sys.executable, "-m", __name__, str(src), str(dst), str(int(ftype)), str(int(n_threads)), str(int(verbose))]
-    # its own session: the terminal's Ctrl-C goes to us only, and we decide when the child ends
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if verbose else subprocess.PIPE,
-                             stdin=subprocess.DEVNULL, start_new_session=True, text=True)
-    try:
-        for line in child.stdout:
-            parts = line.split()
-            if on_tensor is not None and len(parts) == 2 and all(p.isdigit() for p in parts):
-                on_tensor(int(parts[0]), int(parts[1]))
-        err = child.stderr.read() if child.stderr else ""
-        rc = child.wait()
-    except BaseException:
-        child.kill()
-        child.wait()
-        raise
-    finally:
-        for f in (child.stdout, child.stderr):
-            if f:
-                f.close()
+    # stderr into a file, not a pipe: a chatty child must never block on a pipe nobody reads yet
+    with tempfile.TemporaryFile("w+") as errf:
+        # its own session: the terminal's Ctrl-C goes to us only, and we decide when the child ends
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None if verbose else errf,
+                                 stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+        try:
+            for line in child.stdout:
+                parts = line.split()
+                if on_tensor is not None and len(parts) == 2 and all(p.isdigit() for p in parts):
+                    on_tensor(int(parts[0]), int(parts[1]))
+            rc = child.wait()
+        except BaseException:
+            child.kill()
+            child.wait()
+            raise
+        finally:
+            child.stdout.close()
+        errf.seek(0)
+        err = errf.read()
     if rc != 0:
-        lines = [ln for ln in (err or "").splitlines() if ln.strip()]
-        detail = lines[-1].removeprefix("specq: error: ") if lines else f"{src} -> {dst}"
-        raise LlamaCallError("llama_model_quantize", rc, detail)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        if lines:  # the child's own one-line message (an abort's line already carries the prefix)
+            raise SpecqError(lines[-1].removeprefix("specq: error: "))
+        raise LlamaCallError("llama_model_quantize", rc, f"{src} -> {dst} (the quantizer process ended)")
 
 
 def _child(argv: list[str]) -> int:
