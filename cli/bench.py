@@ -20,11 +20,12 @@ from ..native.bench import DEFAULT_PROMPT, BenchConfig, load_prompt_set, run_ben
 from ..native.bench_plot import check_plot_available, plot_sweep
 from ..native.engine import GenerationSettings
 from ..native.placement import resolve_placement
+from .checks import check_output_path, pair_warning
 from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, DraftOpt,
                       err, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt, PairOpt, parse_draft_max,
                       PMinOpt,
                       Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
-                      TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt)
+                      TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
 
 
 def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[str, ...]:
@@ -35,7 +36,10 @@ def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[s
         return tuple(prompts) if prompts else (DEFAULT_PROMPT,)
     if not prompt_file.is_file():
         raise UsageError(f"prompt file not found ({prompt_file}); check the path")
-    text = prompt_file.read_text(encoding="utf-8")
+    try:
+        text = prompt_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"prompt file is not UTF-8 text ({prompt_file}: byte {e.start}); pass a text file")
     if prompt_file.suffix != ".jsonl":
         return (text,)
     out = []
@@ -275,7 +279,10 @@ def main(
         GenerationSettings(draft_max=k, p_min=p).validate()
     if plot is not None:
         check_plot_available()
+    for flag, path in (("--json", json_out), ("--csv", csv_out), ("--plot", plot)):
+        check_output_path(flag, path)  # before the run: a bad path must not cost its results
     target, draft = models_or_demo(target, draft)
+    warn(pair_warning(target, draft), quiet)
     if draft is None and no_baseline:
         raise UsageError("--no-baseline needs a --draft: there would be nothing to run")
     if sweep and draft is None:

@@ -17,6 +17,9 @@ import numpy as np
 import llama_cpp.llama_cpp as C
 
 from ..errors import ContextFullError, LlamaCallError, ModelFileError, SpecqError, UsageError
+from . import abort_guard
+from .gguf_check import check_model_file
+from .interrupts import deferred_sigint
 
 log = logging.getLogger("specq.native")
 llama_log = logging.getLogger("specq.llama")
@@ -45,6 +48,7 @@ def ensure_backend() -> None:
         return
     C.llama_log_set(_route_log, ctypes.c_void_p(0))
     C.llama_backend_init()
+    abort_guard.install()
     _backend_ready = True
 
 
@@ -93,6 +97,7 @@ def check_gguf_file(path: str | os.PathLike) -> Path:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelFileError(f"not a GGUF file ({p}); convert it with `specq convert` first")
+    check_model_file(p)  # what llama.cpp would abort on or refuse, named in Python first
     return p
 
 
@@ -149,7 +154,8 @@ class Model(_Handle):
         if devices:
             self._devs = device_handles(devices)
             params.devices = ctypes.cast(self._devs, ctypes.c_void_p).value
-        handle = C.llama_model_load_from_file(str(self.path).encode(), params)
+        with deferred_sigint():  # a Ctrl-C inside the log callback would be swallowed: raise it after the load
+            handle = self._h = C.llama_model_load_from_file(str(self.path).encode(), params) or None
         if not handle:
             raise ModelFileError(
                 f"llama.cpp could not load the model ({self.path}); the file may be truncated or corrupt, "

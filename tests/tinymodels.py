@@ -127,11 +127,14 @@ def weights(spec: TinySpec, n_rows: int, seed: int) -> dict[str, np.ndarray]:
 
 def write_tiny_gguf(path: str | Path, seed: int = 0, spec: TinySpec = TinySpec(),
                     noise_from: tuple[int, float] | None = None, eos_id: int = 0,
-                    token_override: dict[int, str] | None = None) -> Path:
+                    token_override: dict[int, str] | None = None, edit_weights=None,
+                    bos_id: int | None = 1, add_bos: bool = False, tokenizer_model: str = "gpt2") -> Path:
     """Write a tiny llama-architecture GGUF to `path`.
 
     noise_from=(base_seed, scale): the weights of model `base_seed` plus scale × fresh noise (seeded by `seed`).
     token_override: replace the text of some token ids (to make an incompatible vocabulary).
+    edit_weights: a function dict -> dict over the tensors before they are written (bad-file tests);
+    bos_id None writes no BOS id.
     """
     path = Path(path)
     tokens, merges = vocab(spec.n_merges)
@@ -147,6 +150,8 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, spec: TinySpec = TinySpec()
         w = {k: (v + scale * noise[k] if v.ndim == 2 else v) for k, v in w.items()}
     else:
         w = weights(spec, n_rows, seed)
+    if edit_weights is not None:
+        w = edit_weights(w)
     all_tokens = tokens + [f"[PAD{i}]" for i in range(spec.extra_rows)]
     types = ([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (n_real - len(SPECIALS))
              + [gguf.TokenType.UNUSED] * spec.extra_rows)
@@ -165,14 +170,15 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, spec: TinySpec = TinySpec()
     writer.add_rope_freq_base(10000.0)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_vocab_size(n_rows)
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre("default")
     writer.add_token_list(all_tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
+    if bos_id is not None:
+        writer.add_bos_token_id(bos_id)
     writer.add_eos_token_id(eos_id)
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHAT_TEMPLATE)
     for name, arr in w.items():
         writer.add_tensor(name, arr)
