@@ -117,6 +117,12 @@ DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="ggml devices
                                                                    "(see `specq doctor`).")]
 CpuAmxOpt = Annotated[bool, typer.Option("--cpu-amx", help="Let llama.cpp use its AMX weight buffer on Intel CPUs "
                                                           "with AMX (off by default: it crashes, llama.cpp#20824).")]
+DrafterOpt = Annotated[str, typer.Option("--drafter", help="Who proposes tokens: model (the draft model), ngram "
+                                                          "(lookup in the text so far, no model) or model,ngram "
+                                                          "(the n-gram's proposal where the text repeats, else the "
+                                                          "model's).")]
+NgramMinOpt = Annotated[int, typer.Option("--ngram-min", help="Shortest repeated ending an n-gram proposal needs.")]
+NgramMaxOpt = Annotated[int, typer.Option("--ngram-max", help="Longest ending the n-gram lookup tries first.")]
 DraftDeviceOpt = Annotated[Optional[str], typer.Option("--draft-device", help="ggml devices for the draft.")]
 
 
@@ -186,10 +192,11 @@ def models_or_demo(target: Path | None, draft: Path | None) -> tuple:
 
 
 def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_min, temp, top_k, top_p, min_p, seed,
-                        accept) -> GenerationSettings:
+                        accept, drafter="model", ngram_min=3, ngram_max=6) -> GenerationSettings:
     """The generation settings from the flags, with a pair manifest's suggestions where a flag was not given."""
     check_finite(temp=temp, p_min=p_min, top_p=top_p, min_p=min_p)
     return GenerationSettings(
         n_predict=n_predict, draft_max=parse_draft_max(suggested.get("draft_max", draft_max)),
         draft_min=suggested.get("draft_min", draft_min), p_min=suggested.get("p_min", p_min), temp=temp,
-        top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, accept=accept).validate()
+        top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, accept=accept, drafter=drafter, ngram_min=ngram_min,
+        ngram_max=ngram_max).validate()

@@ -21,11 +21,11 @@ from ..native.bench_plot import check_plot_available, plot_sweep
 from ..native.engine import GenerationSettings
 from ..native.placement import resolve_placement
 from .checks import check_output_path, pair_warning
-from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, DraftOpt,
-                      err, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt, PairOpt, parse_draft_max,
-                      PMinOpt,
-                      Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
-                      TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
+from ._common import (AcceptOpt, CpuAmxOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
+                      DraftMinOpt, DraftOpt, err, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
+                      NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, parse_draft_max, PMinOpt, Quiet, resolve_pair,
+                      SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt, TensorSplitOpt,
+                      ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
 
 
 def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[str, ...]:
@@ -231,6 +231,9 @@ def main(
     min_p: MinPOpt = 0.05,
     seed: SeedOpt = 0,
     accept: AcceptOpt = "auto",
+    drafter: DrafterOpt = "model",
+    ngram_min: NgramMinOpt = 3,
+    ngram_max: NgramMaxOpt = 6,
     ctx: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     ctx_draft: CtxDraftOpt = None,
@@ -264,7 +267,7 @@ def main(
     ctx = suggested.get("ctx", ctx)
     settings = settings_from_flags(suggested, n_predict=n_predict, draft_max=draft_max, draft_min=draft_min,
                                    p_min=p_min, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                   accept=accept)
+                                   accept=accept, drafter=drafter, ngram_min=ngram_min, ngram_max=ngram_max)
     if repeat < 1:
         raise UsageError(f"--repeat must be at least 1 ({repeat})")
     if threads is not None and threads < 1:
@@ -283,10 +286,15 @@ def main(
         check_output_path(flag, path)  # before the run: a bad path must not cost its results
     target, draft = models_or_demo(target, draft)
     warn(pair_warning(target, draft), quiet)
-    if draft is None and no_baseline:
-        raise UsageError("--no-baseline needs a --draft: there would be nothing to run")
-    if sweep and draft is None:
-        raise UsageError("a sweep needs a --draft: there is nothing to sweep without one")
+    drafts = draft is not None or "ngram" in settings.drafters
+    if not drafts and no_baseline:
+        raise UsageError("--no-baseline needs a --draft (or --drafter ngram): there would be nothing to run")
+    if sweep and not drafts:
+        raise UsageError("a sweep needs a --draft (or --drafter ngram): there is nothing to sweep without one")
+    if "model" in settings.drafters and draft is None and settings.drafter != "model":
+        raise UsageError(f"--drafter {settings.drafter} needs a --draft model; use --drafter ngram without one")
+    if settings.drafters == ("ngram",):
+        draft = None  # n-gram lookup alone: no draft model to load
     placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
                                   device=device, draft_device=draft_device, cpu_amx=cpu_amx)

@@ -19,10 +19,11 @@ from ..errors import ContextFullError, UsageError
 from ..native.chat import HELP, AnswerProgress, ChatSession, Command, ConversationFullError, apply_setting, \
     open_chat, panel_data, parse_command
 from ..native.placement import resolve_placement
-from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt,
-                      handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt, PairOpt, PMinOpt,
-                      Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
-                      TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
+from ._common import (AcceptOpt, CpuAmxOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
+                      DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt,
+                      NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, SeedOpt, settings_from_flags,
+                      setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt,
+                      Verbose, VramBudgetOpt, warn)
 from .checks import pair_warning, user_path
 from .chat_view import StreamBuffer, build_panel, stats_table
 
@@ -249,6 +250,9 @@ def main(
     min_p: MinPOpt = 0.05,
     seed: SeedOpt = 0,
     accept: AcceptOpt = "auto",
+    drafter: DrafterOpt = "model",
+    ngram_min: NgramMinOpt = 3,
+    ngram_max: NgramMaxOpt = 6,
     ctx: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     ctx_draft: CtxDraftOpt = None,
@@ -270,10 +274,14 @@ def main(
     ctx = suggested.get("ctx", ctx)
     settings = settings_from_flags(suggested, n_predict=n_predict, draft_max=draft_max, draft_min=draft_min,
                                    p_min=p_min, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                   accept=accept)
+                                   accept=accept, drafter=drafter, ngram_min=ngram_min, ngram_max=ngram_max)
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1 ({threads})")
     target, draft = models_or_demo(target, draft)
+    if "model" in settings.drafters and draft is None and settings.drafter != "model":
+        raise UsageError(f"--drafter {settings.drafter} needs a --draft model; use --drafter ngram without one")
+    if settings.drafters == ("ngram",):
+        draft = None  # n-gram lookup alone: no draft model to load
     warn(pair_warning(target, draft), quiet)
     placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,

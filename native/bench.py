@@ -40,11 +40,16 @@ class BenchConfig:
     chat: bool = False  # wrap each prompt as one user turn in the target's chat template
     engine_options: dict = field(default_factory=dict)  # main_gpu, tensor splits, devices (see Placement)
 
+    @property
+    def speculative(self) -> bool:
+        """Whether there is anything to draft with: a draft model, or n-gram lookup alone."""
+        return self.draft is not None or "ngram" in self.settings.drafters
+
     def points(self) -> list[tuple[int, float]]:
         return list(self.sweep) or [(self.settings.draft_max, self.settings.p_min)]
 
     def n_runs(self) -> int:
-        per_prompt = int(self.baseline) + (len(self.points()) if self.draft else 0)
+        per_prompt = int(self.baseline) + (len(self.points()) if self.speculative else 0)
         return self.repeat * len(self.prompts) * per_prompt
 
 
@@ -102,6 +107,8 @@ def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, setti
         "verify_ms_by_size": {b: [n, ms] for b, n, ms in st.verify_ms_by_size} if spec else None,
         "draft_next_ms": st.draft_next_ms if spec else None,
         "n_draft_next": st.n_draft_next if spec else None,
+        "n_drafted_by": dict(st.n_drafted_by) if spec else None,  # per drafter: {"model": n, "ngram": n}
+        "n_accepted_by": dict(st.n_accepted_by) if spec else None,
         "n_restores": st.n_restores,
         "n_rollbacks": st.n_rollbacks,  # recurrent/hybrid tails dropped through state snapshots instead  # checkpoint restores (targets or drafts that cannot drop part of a sequence)
         "decode_ms": st.decode_ms, "overhead_fraction": st.overhead_fraction, "stop_reason": st.stop_reason,
@@ -267,7 +274,7 @@ def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
         prompts = prompt_tokens(eng, cfg)
         names = list(cfg.prompt_names) or [None] * len(prompts)
         plan = ([("baseline", cfg.settings)] if cfg.baseline else []) + \
-            ([("speculative", s) for s in point_settings] if cfg.draft else [])
+            ([("speculative", s) for s in point_settings] if cfg.speculative else [])
         session = eng.session()
         runs = []
         for rep in range(cfg.repeat):
@@ -286,7 +293,7 @@ def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
                                                and (r["draft_max"], r["p_min"]) == (k, p)], cfg.settings.temp, k, p)}
                  for k, p in points]
         best = recommend(sweep) if cfg.sweep else None
-        diverged = first_divergences(eng, prompts, runs) if cfg.settings.temp == 0 and cfg.draft else []
+        diverged = first_divergences(eng, prompts, runs) if cfg.settings.temp == 0 and cfg.speculative else []
         session.reset()
         main = next((pt for pt in sweep if best and (pt["draft_max"], pt["p_min"]) == (best["draft_max"], best["p_min"])),
                     sweep[0])

@@ -21,6 +21,7 @@ from . import _ffi
 from .accept import accepted_per_position, greedy_emit, rejection_emit, top_probability
 from .adaptive import AdaptiveDraft
 from .compat import VocabInfo, check_compatible
+from .ngram import parse_drafter, point_mass, propose
 from .sampling import SparseDist, Transform, restrict, sample
 
 log = logging.getLogger("specq.engine")
@@ -66,6 +67,14 @@ class GenerationSettings:
     min_p: float = 0.05
     seed: int = 0
     accept: str = "auto"  # "match" | "rejection" | "auto" (rejection at temp > 0); temp 0 is always greedy
+    drafter: str = "model"  # "model", "ngram" or a comma list ("model,ngram": the n-gram's proposal on a match)
+    ngram_min: int = 3  # the shortest ending of the text an n-gram proposal needs to have seen before
+    ngram_max: int = 6
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """The drafters in the order each step tries them (native/ngram.py)."""
+        return parse_drafter(self.drafter)
 
     @property
     def adaptive(self) -> bool:
@@ -105,6 +114,10 @@ class GenerationSettings:
             raise UsageError(f"--min-p must be between 0 and 1 ({self.min_p})")
         if self.top_k < 0:
             raise UsageError(f"--top-k must be >= 0 ({self.top_k}); 0 disables it")
+        self.drafters  # noqa: B018 (raises on a bad --drafter)
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise UsageError(f"--ngram-min must be at least 1 and at most --ngram-max ({self.ngram_min}, "
+                             f"{self.ngram_max})")
         return self
 
 
@@ -153,6 +166,8 @@ class GenerationStats(Rates):
     n_plain_steps: int = 0  # draft_max=auto: steps that chose not to draft (probes excluded)
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning
     n_rollbacks: int = 0  # recurrent/hybrid tails dropped through state snapshots (no checkpoint restore)
+    n_drafted_by: tuple[tuple[str, int], ...] = ()  # per drafter ("model", "ngram")
+    n_accepted_by: tuple[tuple[str, int], ...] = ()
     # The cost model's inputs (native/cost.py): what each step drafted, verified and cost.
     steps_by_k: tuple[tuple[int, int], ...] = ()  # (verified draft length, steps)
     tried_per_pos: tuple[int, ...] = ()  # steps that verified position i+1 with positions 1..i accepted
@@ -353,6 +368,7 @@ class _Step:
     verify_s: float
     first_token_s: float | None = None  # seconds to the first drafted token (catch-up included), where clean
     draft_token_s: float | None = None  # seconds per further drafted token, where measured
+    drafter: str | None = None  # who proposed this step's drafts ("model", "ngram")
 
 
 class _Sampling:
@@ -413,10 +429,11 @@ class Session:
         """The draft_max="auto" controller for these sampling settings. It lives as long as the session
         (reset() included): costs and acceptance belong to the pair and the machine, not to one prompt, so
         later generations start from what earlier ones measured instead of from a prior."""
-        key = (s.draft_cap, s.accept_mode, s.temp, s.top_k, s.top_p, s.min_p, s.p_min)
+        key = (s.draft_cap, s.accept_mode, s.temp, s.top_k, s.top_p, s.min_p, s.p_min, s.drafters)
         if key not in self._controllers:
             eng = self.engine
-            ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1)
+            # an n-gram lookup costs next to nothing; a model about its share of the target's bytes
+            ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1) if eng.draft is not None else 0.01
             self._controllers[key] = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio)
         return self._controllers[key]
 
@@ -464,12 +481,24 @@ class Session:
         per_token = (clock() - t_loop) / (len(drafts) - 1) if len(drafts) >= 2 else None
         return drafts, dists, (first, per_token)
 
+    def _propose(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int) -> tuple:
+        """(drafts, their distributions in rejection mode, draft costs, drafter) from the first drafter with a
+        proposal: an n-gram match in the text so far, or the draft model."""
+        for name in s.drafters if n_draft_max > 0 else ():
+            if name == "ngram":
+                drafts = propose(self.history, s.ngram_min, s.ngram_max, n_draft_max)
+                if drafts:
+                    return drafts, [point_mass(t) for t in drafts] if samp.draft_tf else [], (None, None), name
+            elif self.dft is not None:
+                return (*self._draft(n_draft_max, s.p_min, samp), name)
+        return [], [], (None, None), None
+
     def _step(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int) -> "_Step":
         clock = self.engine.clock
         t0 = clock()
-        drafts, q, costs = self._draft(n_draft_max, s.p_min, samp) if n_draft_max > 0 else ([], [], (None, None))
+        drafts, q, costs, drafter = self._propose(s, samp, n_draft_max)
         if len(drafts) < s.draft_min:
-            drafts, q = [], []
+            drafts, q, drafter = [], [], None
         t1 = clock()
         # One target pass over [last, d1..dn], logits at every position.
         self.tgt.save_checkpoint(n_next=len(drafts) + 1)  # the verify is one decode; its first token stays
@@ -490,7 +519,7 @@ class Session:
                 if i == len(drafts) or tok != drafts[i]:
                     break
         t2 = clock()
-        return _Step(emitted, len(drafts), t1 - t0, t2 - t1, *costs)
+        return _Step(emitted, len(drafts), t1 - t0, t2 - t1, *costs, drafter=drafter)
 
     def _rewind(self) -> None:
         """Roll both memories back to the committed history (the target holds all but the last token)."""
@@ -522,8 +551,8 @@ class Session:
     def generate(self, new_tokens: list[int], settings: GenerationSettings,
                  speculative: bool = True) -> "Generation":
         settings.validate()
-        if speculative and self.dft is None:
-            raise UsageError("speculative decoding needs a draft model; pass --draft")
+        if speculative and self.dft is None and "ngram" not in settings.drafters:
+            raise UsageError("speculative decoding needs a draft model; pass --draft (or --drafter ngram)")
         return Generation(self, new_tokens, settings, speculative)
 
 
@@ -543,6 +572,8 @@ class _Progress:
     rollbacks0: int = 0
     plain0: int = 0  # the controller's counters when this generation began (it outlives generations)
     probes0: int = 0
+    drafted_by: dict = field(default_factory=dict)
+    accepted_by: dict = field(default_factory=dict)
     steps_by_k: dict = field(default_factory=dict)
     tried: list[int] = field(default_factory=list)
     verify_by_size: dict = field(default_factory=dict)
@@ -604,7 +635,8 @@ class Generation:
             n_plain_steps=ctrl.n_plain_steps - p.plain0 if ctrl else 0, n_probes=ctrl.n_probes - p.probes0 if ctrl else 0,
             steps_by_k=tuple(sorted(p.steps_by_k.items())), tried_per_pos=tuple(p.tried),
             verify_ms_by_size=tuple((b, n, ms * 1e3) for b, (n, ms) in sorted(p.verify_by_size.items())),
-            draft_next_ms=p.draft_next_s * 1e3, n_draft_next=p.n_draft_next)
+            draft_next_ms=p.draft_next_s * 1e3, n_draft_next=p.n_draft_next,
+            n_drafted_by=tuple(sorted(p.drafted_by.items())), n_accepted_by=tuple(sorted(p.accepted_by.items())))
 
     def snapshot(self) -> GenerationStats:
         """The stats so far (stop_reason "running"); the final ones once the generation has ended."""
@@ -671,6 +703,8 @@ class Generation:
                     # step, and the draft tokens past it were neither emitted nor part of the answer.
                     p.n_drafted += min(step.n_drafted, len(events))
                     p.accepted.append(min(len(step.emitted) - 1, len(events)))
+                    p.drafted_by[step.drafter] = p.drafted_by.get(step.drafter, 0) + min(step.n_drafted, len(events))
+                    p.accepted_by[step.drafter] = p.accepted_by.get(step.drafter, 0) + p.accepted[-1]
                 if self.speculative:
                     p.record_costs(step, len(events))
                 ses._rewind()
