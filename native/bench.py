@@ -109,8 +109,8 @@ def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, setti
         "n_draft_next": st.n_draft_next if spec else None,
         "n_drafted_by": dict(st.n_drafted_by) if spec else None,  # per drafter: {"model": n, "ngram": n}
         "n_accepted_by": dict(st.n_accepted_by) if spec else None,
-        "n_restores": st.n_restores,
-        "n_rollbacks": st.n_rollbacks,  # recurrent/hybrid tails dropped through state snapshots instead  # checkpoint restores (targets or drafts that cannot drop part of a sequence)
+        "n_restores": st.n_restores,  # checkpoint restores (targets or drafts that cannot drop part of a sequence)
+        "n_rollbacks": st.n_rollbacks,  # recurrent/hybrid tails dropped through state snapshots instead
         "decode_ms": st.decode_ms, "overhead_fraction": st.overhead_fraction, "stop_reason": st.stop_reason,
     }
     return row

@@ -632,7 +632,8 @@ class Generation:
             accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
                 "greedy" if s.temp <= 0 else "sample"),
             sample_ms=samp.sample_s * 1e3 if samp else 0.0,
-            n_plain_steps=ctrl.n_plain_steps - p.plain0 if ctrl else 0, n_probes=ctrl.n_probes - p.probes0 if ctrl else 0,
+            n_plain_steps=ctrl.n_plain_steps - p.plain0 if ctrl else 0,
+            n_probes=ctrl.n_probes - p.probes0 if ctrl else 0,
             steps_by_k=tuple(sorted(p.steps_by_k.items())), tried_per_pos=tuple(p.tried),
             verify_ms_by_size=tuple((b, n, ms * 1e3) for b, (n, ms) in sorted(p.verify_by_size.items())),
             draft_next_ms=p.draft_next_s * 1e3, n_draft_next=p.n_draft_next,
