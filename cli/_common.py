@@ -12,15 +12,17 @@ from typing import Annotated, Callable, Optional
 import typer
 from rich.console import Console
 
-from ..errors import SpecqError, UsageError
+from ..errors import ManifestError, SpecqError, UsageError
 from ..native.engine import GenerationSettings
+from .checks import check_finite, user_path
 
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log and specq's debug log.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only results.")]
 
 # Results go to stdout; tables, progress and messages to stderr unless a command says otherwise.
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False)
+# markup off: strings we print carry user text (paths, prompts) whose "[...]" Rich would eat.
+out = Console(highlight=False, soft_wrap=True, markup=False)
+err = Console(stderr=True, highlight=False, markup=False)
 
 
 def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
@@ -46,6 +48,12 @@ def fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+def warn(message: str | None, quiet: bool = False) -> None:
+    """One warning line on stderr (not with --quiet): the run goes on."""
+    if message and not quiet:
+        print(f"specq: warning: {message}", file=sys.stderr, flush=True)
+
+
 def handle_errors(fn: Callable) -> Callable:
     """Run a command body: SpecqError → one line + its exit code; Ctrl-C → 130; full disk → 1."""
 
@@ -67,9 +75,10 @@ def handle_errors(fn: Callable) -> Callable:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise typer.Exit(0)
         except OSError as e:
+            where = user_path(e.filename2 or e.filename) if e.errno == errno.EISDIR else user_path(e.filename)
             if e.errno == errno.ENOSPC:
-                fail(f"no space left on the device ({e.filename or 'output'}); free some disk space and retry")
-            fail(f"{e.strerror or e} ({e.filename or ''}); check the path and permissions")
+                fail(f"no space left on the device ({where or 'output'}); free some disk space and retry")
+            fail(f"{e.strerror or e} ({where}); check the path and permissions")
 
     return wrapper
 
@@ -108,6 +117,12 @@ DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="ggml devices
                                                                    "(see `specq doctor`).")]
 CpuAmxOpt = Annotated[bool, typer.Option("--cpu-amx", help="Let llama.cpp use its AMX weight buffer on Intel CPUs "
                                                           "with AMX (off by default: it crashes, llama.cpp#20824).")]
+DrafterOpt = Annotated[str, typer.Option("--drafter", help="Who proposes tokens: model (the draft model), ngram "
+                                                          "(lookup in the text so far, no model) or model,ngram "
+                                                          "(the n-gram's proposal where the text repeats, else the "
+                                                          "model's).")]
+NgramMinOpt = Annotated[int, typer.Option("--ngram-min", help="Shortest repeated ending an n-gram proposal needs.")]
+NgramMaxOpt = Annotated[int, typer.Option("--ngram-max", help="Longest ending the n-gram lookup tries first.")]
 DraftDeviceOpt = Annotated[Optional[str], typer.Option("--draft-device", help="ggml devices for the draft.")]
 
 
@@ -134,11 +149,35 @@ def resolve_pair(pair: Path | None, target: Path | None, draft: Path | None, cli
     from ..convert.manifest import load_pair
 
     p = load_pair(pair)
-    suggested = {**p.settings, **(p.manifest.get("tuned") or {})}
+    tuned = p.manifest.get("tuned")
+    suggested = {**p.settings, **(tuned if isinstance(tuned, dict) else {})}
     # typer may vendor its own click, so compare the source by name
     keep = {k: suggested[k] for k in PAIR_SETTINGS if k in suggested
             and getattr(click_ctx.get_parameter_source(k), "name", "") != "COMMANDLINE"}
+    check_manifest_settings(keep, p.dir)
     return p.target_path, p.draft_path, keep
+
+
+_MANIFEST_TYPES = {"draft_max": (int, str), "draft_min": (int,), "p_min": (int, float), "ctx": (int,)}
+
+
+def check_manifest_settings(settings: dict, pair_dir: Path) -> None:
+    """A bad value in the manifest is the manifest's fault (exit 1, naming it and the key), not a bad flag."""
+    from ..convert.manifest import MANIFEST_NAME
+
+    where = pair_dir / MANIFEST_NAME
+    for key, value in settings.items():
+        ok = isinstance(value, _MANIFEST_TYPES[key]) and not isinstance(value, bool)
+        try:
+            if ok and key == "ctx":
+                ok = value >= 16
+            elif ok:
+                GenerationSettings(**{key: parse_draft_max(value) if key == "draft_max" else value}).validate()
+        except UsageError:
+            ok = False
+        if not ok:
+            raise ManifestError(f"bad {key} in the pair manifest ({where}: {key} = {value!r}); fix or remove "
+                                "that line, or re-run `specq convert --force`")
 
 
 def models_or_demo(target: Path | None, draft: Path | None) -> tuple:
@@ -153,9 +192,11 @@ def models_or_demo(target: Path | None, draft: Path | None) -> tuple:
 
 
 def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_min, temp, top_k, top_p, min_p, seed,
-                        accept) -> GenerationSettings:
+                        accept, drafter="model", ngram_min=3, ngram_max=6) -> GenerationSettings:
     """The generation settings from the flags, with a pair manifest's suggestions where a flag was not given."""
+    check_finite(temp=temp, p_min=p_min, top_p=top_p, min_p=min_p)
     return GenerationSettings(
         n_predict=n_predict, draft_max=parse_draft_max(suggested.get("draft_max", draft_max)),
         draft_min=suggested.get("draft_min", draft_min), p_min=suggested.get("p_min", p_min), temp=temp,
-        top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, accept=accept).validate()
+        top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, accept=accept, drafter=drafter, ngram_min=ngram_min,
+        ngram_max=ngram_max).validate()

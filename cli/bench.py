@@ -20,11 +20,12 @@ from ..native.bench import DEFAULT_PROMPT, BenchConfig, load_prompt_set, run_ben
 from ..native.bench_plot import check_plot_available, plot_sweep
 from ..native.engine import GenerationSettings
 from ..native.placement import resolve_placement
-from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt, DraftOpt,
-                      err, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt, PairOpt, parse_draft_max,
-                      PMinOpt,
-                      Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
-                      TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt)
+from .checks import check_output_path, pair_warning
+from ._common import (AcceptOpt, CpuAmxOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
+                      DraftMinOpt, DraftOpt, err, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
+                      NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, parse_draft_max, PMinOpt, Quiet, resolve_pair,
+                      SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt, TensorSplitOpt,
+                      ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
 
 
 def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[str, ...]:
@@ -35,7 +36,10 @@ def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[s
         return tuple(prompts) if prompts else (DEFAULT_PROMPT,)
     if not prompt_file.is_file():
         raise UsageError(f"prompt file not found ({prompt_file}); check the path")
-    text = prompt_file.read_text(encoding="utf-8")
+    try:
+        text = prompt_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"prompt file is not UTF-8 text ({prompt_file}: byte {e.start}); pass a text file")
     if prompt_file.suffix != ".jsonl":
         return (text,)
     out = []
@@ -104,8 +108,8 @@ def render_table(doc: dict) -> Table:
 
 def render_sweep(doc: dict) -> Table:
     """One row per sweep point: tokens/s, speed-up, acceptance, and the ideal speed-up from the measured α and c."""
-    t = Table(title="sweep · ×: measured speed-up · ideal: from measured α and c · pred: also with the measured "
-                    "verify cost (in target tokens)", title_justify="left")
+    t = Table(title="sweep · ×: measured speed-up · pred: the cost model on the measured acceptance per position "
+                    "and costs · ideal: the same with a verify as cheap as one token", title_justify="left")
     for col in ("k", "p-min", "tok/s", "×", "accept", "acc/st", "ideal", "pred", "c", "verify"):
         t.add_column(col, justify="right")
     best = doc.get("recommendation") or {}
@@ -141,9 +145,10 @@ def cost_line(summary: dict) -> str | None:
         parts.append(f"c {summary['cost_ratio']:.3f} (draft ms/token ÷ target ms/token)")
     if summary.get("verify_cost") is not None:
         parts.append(f"verify {summary['verify_cost']:.2f}× a target token")
-    if summary.get("ideal_speedup") is not None:
-        parts.append(f"ideal {summary['ideal_speedup']:.2f}× · with measured verify "
-                     f"{summary['predicted_speedup']:.2f}× · measured {_fmt(summary['speedup'], '.2f')}×")
+    if summary.get("predicted_speedup") is not None:
+        parts.append(f"predicted {summary['predicted_speedup']:.2f}× (the measured costs and acceptance per "
+                     f"position) · ideal {_fmt(summary.get('ideal_speedup'), '.2f')}× (a verify as cheap as one "
+                     f"token) · measured {_fmt(summary['speedup'], '.2f')}×")
     return " · ".join(parts)
 
 
@@ -226,6 +231,9 @@ def main(
     min_p: MinPOpt = 0.05,
     seed: SeedOpt = 0,
     accept: AcceptOpt = "auto",
+    drafter: DrafterOpt = "model",
+    ngram_min: NgramMinOpt = 3,
+    ngram_max: NgramMaxOpt = 6,
     ctx: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     ctx_draft: CtxDraftOpt = None,
@@ -259,7 +267,7 @@ def main(
     ctx = suggested.get("ctx", ctx)
     settings = settings_from_flags(suggested, n_predict=n_predict, draft_max=draft_max, draft_min=draft_min,
                                    p_min=p_min, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                   accept=accept)
+                                   accept=accept, drafter=drafter, ngram_min=ngram_min, ngram_max=ngram_max)
     if repeat < 1:
         raise UsageError(f"--repeat must be at least 1 ({repeat})")
     if threads is not None and threads < 1:
@@ -274,11 +282,19 @@ def main(
         GenerationSettings(draft_max=k, p_min=p).validate()
     if plot is not None:
         check_plot_available()
+    for flag, path in (("--json", json_out), ("--csv", csv_out), ("--plot", plot)):
+        check_output_path(flag, path)  # before the run: a bad path must not cost its results
     target, draft = models_or_demo(target, draft)
-    if draft is None and no_baseline:
-        raise UsageError("--no-baseline needs a --draft: there would be nothing to run")
-    if sweep and draft is None:
-        raise UsageError("a sweep needs a --draft: there is nothing to sweep without one")
+    warn(pair_warning(target, draft), quiet)
+    drafts = draft is not None or "ngram" in settings.drafters
+    if not drafts and no_baseline:
+        raise UsageError("--no-baseline needs a --draft (or --drafter ngram): there would be nothing to run")
+    if sweep and not drafts:
+        raise UsageError("a sweep needs a --draft (or --drafter ngram): there is nothing to sweep without one")
+    if "model" in settings.drafters and draft is None and settings.drafter != "model":
+        raise UsageError(f"--drafter {settings.drafter} needs a --draft model; use --drafter ngram without one")
+    if settings.drafters == ("ngram",):
+        draft = None  # n-gram lookup alone: no draft model to load
     placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
                                   device=device, draft_device=draft_device, cpu_amx=cpu_amx)

@@ -13,15 +13,18 @@ from typing import Annotated, Optional, TextIO
 import typer
 from rich.console import Console, Group
 from rich.live import Live
+from rich.text import Text
 
 from ..errors import ContextFullError, UsageError
-from ..native.chat import HELP, AnswerProgress, ChatSession, Command, apply_setting, open_chat, panel_data, \
-    parse_command
+from ..native.chat import HELP, AnswerProgress, ChatSession, Command, ConversationFullError, apply_setting, \
+    open_chat, panel_data, parse_command
 from ..native.placement import resolve_placement
-from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt,
-                      handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt, PairOpt, PMinOpt,
-                      Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
-                      TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt)
+from ._common import (AcceptOpt, CpuAmxOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
+                      DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt,
+                      NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, SeedOpt, settings_from_flags,
+                      setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt,
+                      Verbose, VramBudgetOpt, warn)
+from .checks import pair_warning, user_path
 from .chat_view import StreamBuffer, build_panel, stats_table
 
 REFRESH_S = 1 / 15  # the panel redraws at most this often; the tokens themselves are printed as they come
@@ -39,7 +42,10 @@ def run_command(chat: ChatSession, cmd: Command):
     if cmd.name == "stats":
         return stats_table(chat.totals, chat.turns), False
     if cmd.name in ("k", "pmin", "temp", "n"):
-        chat.settings = apply_setting(chat.settings, cmd)
+        try:
+            chat.settings = apply_setting(chat.settings, cmd)
+        except UsageError as e:
+            raise UsageError(as_command(str(e)))
         s = chat.settings
         return (f"draft-max {s.draft_max} · p-min {s.p_min:g} · temp {s.temp:g} · "
                 f"n-predict {s.n_predict if s.n_predict is not None else 'no limit'}"), False
@@ -50,8 +56,40 @@ def run_command(chat: ChatSession, cmd: Command):
     if cmd.name == "save":
         if not cmd.arg:
             raise UsageError("/save needs a file name (nothing given); e.g. /save chat.json")
+        if Path(cmd.arg).expanduser().is_dir():
+            raise UsageError(f"/save needs a file name, not a folder ({cmd.arg}); e.g. /save {Path(cmd.arg) / 'chat.json'}")
         return f"saved to {chat.save(Path(cmd.arg).expanduser())}", False
     raise UsageError(f"unknown command (/{cmd.name}); type /help for the list")
+
+
+# In a chat the settings are slash commands: a message about a flag names the command instead.
+_COMMAND_OF_FLAG = {"--draft-max": "/k", "--p-min": "/pmin", "--temp": "/temp", "--n-predict": "/n"}
+
+
+def as_command(message: str) -> str:
+    for flag, command in _COMMAND_OF_FLAG.items():
+        message = message.replace(flag, command)
+    return message
+
+
+def error_line(message) -> str:
+    return f"specq: error: {message}"
+
+
+def os_error_line(e: OSError) -> str:
+    return error_line(f"{e.strerror or e} ({user_path(e.filename)}); check the path and permissions")
+
+
+def full_line(e: ContextFullError, interactive: bool) -> str:
+    """The one line for a turn that does not fit; /reset is offered only where it can be typed and helps."""
+    if isinstance(e, ConversationFullError) and not e.first_turn and not interactive:
+        return error_line(f"the conversation is full ({e.n_tokens} tokens, ctx {e.n_ctx}); use a larger --ctx")
+    return error_line(e)
+
+
+def answer_full_line(chat: ChatSession, interactive: bool) -> str:
+    fix = "type /reset to start a new conversation, or use a larger --ctx" if interactive else "use a larger --ctx"
+    return error_line(f"the context is full ({chat.n_used} of {chat.n_ctx} tokens); {fix}")
 
 
 class _StopOnCtrlC:
@@ -79,7 +117,7 @@ def stream_answer(chat: ChatSession, text: str, console: Console, color: bool, p
     try:
         answer = chat.ask(text)
     except ContextFullError as e:
-        console.print(f"specq: {e}", style="red" if color else "")
+        console.print(full_line(e, interactive=True), style="red" if color else "", soft_wrap=True)
         return
     prog = AnswerProgress(started=time.perf_counter())
     buf = StreamBuffer(color)
@@ -114,8 +152,7 @@ def stream_answer(chat: ChatSession, text: str, console: Console, color: bool, p
     if reason == "interrupted":
         console.print("(interrupted; both caches are consistent, the conversation goes on)", style="dim")
     elif reason == "ctx":
-        console.print(f"specq: the context is full ({chat.n_used} of {chat.n_ctx} tokens); "
-                      "type /reset to start a new conversation, or use a larger --ctx", style="red" if color else "")
+        console.print(answer_full_line(chat, interactive=True), style="red" if color else "", soft_wrap=True)
 
 
 def interactive(chat: ChatSession, console: Console, color: bool, panel: bool, banner: str) -> int:
@@ -126,7 +163,7 @@ def interactive(chat: ChatSession, console: Console, color: bool, panel: bool, b
     console.print(banner, style="dim")
     while True:
         try:
-            line = console.input("[bold]> [/]" if color else "> ")
+            line = console.input(Text("> ", style="bold") if color else "> ")
         except EOFError:
             console.print()
             return 0
@@ -139,10 +176,10 @@ def interactive(chat: ChatSession, console: Console, color: bool, panel: bool, b
                 continue
             shown, quit_ = run_command(chat, cmd)
         except UsageError as e:
-            console.print(f"specq: {e}", style="red" if color else "")
+            console.print(error_line(e), style="red" if color else "", soft_wrap=True)
             continue
         except OSError as e:
-            console.print(f"specq: {e.strerror or e} ({e.filename or ''}); check the path", style="red" if color else "")
+            console.print(os_error_line(e), style="red" if color else "", soft_wrap=True)
             continue
         if quit_:
             return 0
@@ -167,8 +204,16 @@ def piped(chat: ChatSession, lines: TextIO, stdout: TextIO, stderr: Console) -> 
                     stderr.print(shown)
                 continue
             answer = chat.ask(line)
-        except (UsageError, ContextFullError) as e:
-            stderr.print(f"specq: {e}")
+        except UsageError as e:
+            stderr.print(error_line(e))
+            failed = True
+            continue
+        except ContextFullError as e:
+            stderr.print(full_line(e, interactive=False))
+            failed = True
+            continue
+        except OSError as e:  # /save to a bad path: the session goes on
+            stderr.print(os_error_line(e))
             failed = True
             continue
         try:
@@ -179,9 +224,9 @@ def piped(chat: ChatSession, lines: TextIO, stdout: TextIO, stderr: Console) -> 
             answer.close()
         stdout.write("\n")
         stdout.flush()
-        if answer.stats.stop_reason == "ctx":
-            stderr.print(f"specq: the context is full ({chat.n_used} of {chat.n_ctx} tokens); "
-                         "send /reset to start a new conversation, or use a larger --ctx")
+        if answer.stats.stop_reason == "ctx":  # the answer was cut: a script must not take it as whole
+            stderr.print(answer_full_line(chat, interactive=False))
+            failed = True
     return 1 if failed else 0
 
 
@@ -205,6 +250,9 @@ def main(
     min_p: MinPOpt = 0.05,
     seed: SeedOpt = 0,
     accept: AcceptOpt = "auto",
+    drafter: DrafterOpt = "model",
+    ngram_min: NgramMinOpt = 3,
+    ngram_max: NgramMaxOpt = 6,
     ctx: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     ctx_draft: CtxDraftOpt = None,
@@ -226,10 +274,15 @@ def main(
     ctx = suggested.get("ctx", ctx)
     settings = settings_from_flags(suggested, n_predict=n_predict, draft_max=draft_max, draft_min=draft_min,
                                    p_min=p_min, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                   accept=accept)
+                                   accept=accept, drafter=drafter, ngram_min=ngram_min, ngram_max=ngram_max)
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1 ({threads})")
     target, draft = models_or_demo(target, draft)
+    if "model" in settings.drafters and draft is None and settings.drafter != "model":
+        raise UsageError(f"--drafter {settings.drafter} needs a --draft model; use --drafter ngram without one")
+    if settings.drafters == ("ngram",):
+        draft = None  # n-gram lookup alone: no draft model to load
+    warn(pair_warning(target, draft), quiet)
     placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
                                   device=device, draft_device=draft_device, cpu_amx=cpu_amx)
@@ -239,14 +292,16 @@ def main(
     final = None
     try:
         if sys.stdin.isatty():
-            console = Console(highlight=False, no_color=no_color)
+            # markup off: the user's own text ("/k [red]x") is echoed in messages and must print as typed
+            console = Console(highlight=False, no_color=no_color, markup=False)
             color = not no_color and console.is_terminal
             banner = (f"specq chat · target {Path(target).name}"
                       + (f" · draft {Path(draft).name}" if draft else " · no draft")
                       + f" · ctx {chat.n_ctx} · /help for commands, Ctrl-D to leave")
             code = interactive(chat, console, color, panel=not quiet, banner=banner)
         else:
-            code = piped(chat, sys.stdin, sys.stdout, Console(stderr=True, highlight=False, no_color=True))
+            code = piped(chat, sys.stdin, sys.stdout, Console(stderr=True, highlight=False, no_color=True, markup=False,
+                                                              soft_wrap=True))
             final = chat.totals.final_line()
     finally:
         chat.engine.close()

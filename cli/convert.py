@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from ..convert.pipeline import convert_pair
 from ..convert.presets import get_preset
 from ..errors import UsageError
-from ._common import Quiet, Verbose, err, handle_errors, out, setup_logging
+from ._common import Quiet, Verbose, err, handle_errors, out, setup_logging, warn
 
 
 class _Bars:
@@ -26,6 +26,14 @@ class _Bars:
         if task not in self.tasks:
             self.tasks[task] = self.p.add_task(task, total=max(total, 1))
         self.p.update(self.tasks[task], completed=done, total=max(total, 1))
+
+
+def same_checkpoint(target: str, draft: str, revision: str | None, draft_revision: str | None) -> bool:
+    """The same local folder (by its real path) or the same Hub repo id at the same revision."""
+    t, d = Path(target).expanduser(), Path(draft).expanduser()
+    if t.exists() or d.exists():
+        return t.exists() and d.exists() and t.resolve() == d.resolve()
+    return target.strip().lower() == draft.strip().lower() and revision == draft_revision
 
 
 @handle_errors
@@ -68,6 +76,9 @@ def main(
         draft_quant = draft_quant if draft_quant is not None else known.draft_quant
     elif target is None:
         raise UsageError("missing TARGET; pass a Hub repo id or checkpoint folder, or --preset NAME (see `specq presets`)")
+    if draft is not None and same_checkpoint(target, draft, revision, draft_revision):
+        warn(f"the draft is the target's own checkpoint ({draft}); a pair of one model drafts nothing useful: pass a "
+             "smaller model of the same family as --draft, or omit --draft", quiet)
     kwargs = dict(draft=draft, outtype=outtype, quant=quant if quant is not None else "Q4_K_M",
                   draft_quant=draft_quant if draft_quant is not None else "Q8_0", revision=revision,
                   draft_revision=draft_revision, force=force, keep_intermediate=keep_intermediate, settings=settings)

@@ -1,47 +1,33 @@
-"""The `specq` entry point: it only dispatches to one module per command."""
+"""The `specq` entry point: runs the command group (cli/app.py) and keeps every way out to one stderr line.
+
+Nothing heavy is imported at module level, so a Ctrl-C while numpy, llama.cpp and Rich load is caught
+here too (exit 130) instead of printing a traceback from the console script.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import sys
 
-import typer
-
-from .. import __version__
-from . import bench, chat, convert, doctor, plan, presets, serve, tune
-
-app = typer.Typer(
-    name="specq",
-    help="Exact draft-model speculative decoding for local LLMs on llama.cpp.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-app.command("bench", help="Baseline vs speculative, side by side, in one run.")(bench.main)
-app.command("chat", help="Chat with speculative decoding and a live dashboard.")(chat.main)
-app.command("doctor", help="Show the llama.cpp build, its devices and whether the GPU is used.")(doctor.main)
-app.command("plan", help="Plan GPU layers and context for a target and draft in a VRAM budget.")(plan.main)
-app.command("convert", help="Hugging Face checkpoints to an aligned, quantized GGUF target + draft pair.")(convert.main)
-app.command("presets", help="List the known target + draft pairs for `specq convert --preset`.")(presets.main)
-app.command("serve", help="An OpenAI-compatible server with exact speculative decoding.")(serve.main)
-app.command("tune", help="Calibrate a pair: acceptance by position, costs, recommended settings.")(tune.main)
+INTERRUPTED = 130
 
 
-def _version(value: bool) -> None:
-    if value:
-        print(f"specq {__version__}")
-        raise typer.Exit(0)
+def __getattr__(name: str):
+    if name == "app":  # `from specq.cli.main import app` (tests, CliRunner)
+        from .app import app
 
-
-@app.callback()
-def _root(
-    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
-                                                    help="Print the version and exit.")] = None,
-) -> None:
-    """specq: speculative decoding on llama.cpp."""
+        return app
+    raise AttributeError(name)
 
 
 def main() -> None:
-    app()
+    try:
+        from .usage import run
+
+        code = run(sys.argv[1:])
+    except KeyboardInterrupt:
+        print("specq: interrupted", file=sys.stderr, flush=True)
+        code = INTERRUPTED
+    sys.exit(code)
 
 
 if __name__ == "__main__":

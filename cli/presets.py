@@ -6,6 +6,7 @@ import json
 from typing import Annotated
 
 import typer
+from rich.text import Text
 from rich import box
 from rich.table import Table
 
@@ -42,5 +43,5 @@ def main(
     out.print(presets_table(presets))
     if not quiet:
         for p in presets:
-            out.print(f"[bold]{p.name}[/bold]: {p.note}")
+            out.print(Text.assemble((p.name, "bold"), f": {p.note}"))
         out.print("convert one with: specq convert --preset NAME --out DIR")

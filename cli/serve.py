@@ -11,10 +11,11 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import UsageError
-from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, DeviceOpt, DraftDeviceOpt, DraftMaxOpt, DraftMinOpt,
-                      handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt, PairOpt, PMinOpt,
-                      Quiet, resolve_pair, settings_from_flags, setup_logging, TargetOpt, TempOpt, TensorSplitOpt,
-                      ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt)
+from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
+                      DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt,
+                      NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, settings_from_flags,
+                      setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt,
+                      Verbose, VramBudgetOpt)
 
 
 def _route_server_logs(verbose: bool) -> None:
@@ -76,6 +77,9 @@ def main(
     seed: Annotated[Optional[int], typer.Option(help="Seed of requests that give none (default: a fresh random "
                                                      "seed per request).")] = None,
     accept: AcceptOpt = "auto",
+    drafter: DrafterOpt = "model",
+    ngram_min: NgramMinOpt = 3,
+    ngram_max: NgramMaxOpt = 6,
     ctx: CtxOpt = 4096,
     threads: ThreadsOpt = None,
     ctx_draft: CtxDraftOpt = None,
@@ -100,10 +104,15 @@ def main(
     ctx = suggested.get("ctx", ctx)
     defaults = settings_from_flags(suggested, n_predict=max_tokens, draft_max=draft_max, draft_min=draft_min,
                                    p_min=p_min, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                                   seed=seed or 0, accept=accept)
+                                   seed=seed or 0, accept=accept, drafter=drafter, ngram_min=ngram_min,
+                                   ngram_max=ngram_max)
     cfg = ServeConfig(host=host, port=port, api_key=api_key or None, max_queue=max_queue,
                       max_body=_parse_size_flag("--max-body", max_body), max_tokens=max_tokens, seed=seed).validate()
     target, draft = models_or_demo(target, draft)
+    if "model" in defaults.drafters and draft is None and defaults.drafter != "model":
+        raise UsageError(f"--drafter {defaults.drafter} needs a --draft model; use --drafter ngram without one")
+    if defaults.drafters == ("ngram",):
+        draft = None  # n-gram lookup alone: no draft model to load
     warning = _exposure_warning(host, cfg.api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)

@@ -16,7 +16,8 @@ from ..native.tune import DEFAULT_PROMPTS, TuneResult, calibrate, write_tuned
 from ..native.placement import resolve_placement
 from ._common import (CpuAmxOpt, DeviceOpt, DraftDeviceOpt, DraftOpt, err, handle_errors, MainGpuOpt, models_or_demo,
                       NglDraftOpt, NglOpt, out, PairOpt, Quiet, resolve_pair, setup_logging, TargetOpt, TensorSplitOpt, ThreadsOpt,
-                      Verbose, VramBudgetOpt)
+                      Verbose, VramBudgetOpt, warn)
+from .checks import check_finite, check_output_path, pair_warning
 
 
 def render(result: TuneResult) -> Table:
@@ -69,12 +70,17 @@ def main(
     setup_logging(verbose, quiet)
     if not 1 <= draft_max <= DRAFT_MAX_CAP:
         raise UsageError(f"--draft-max must be between 1 and {DRAFT_MAX_CAP} ({draft_max})")
+    check_finite(temp=temp)
+    if temp < 0:
+        raise UsageError(f"--temp must be >= 0 ({temp}); use 0 for greedy decoding")
     if n_predict < 2:
         raise UsageError(f"--n-predict must be at least 2 ({n_predict})")
     if write and pair is None:
         raise UsageError("--write needs --pair: the result is stored in the pair's manifest")
+    check_output_path("--json", json_out)
     target, draft, _ = resolve_pair(pair, target, draft, click_ctx)
     target, draft = models_or_demo(target, draft)
+    warn(pair_warning(target, draft), quiet)
     if draft is None:
         raise UsageError("tune needs a draft model; pass --draft (or a --pair with a draft)")
     placement = resolve_placement(str(target), str(draft), ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,

@@ -16,6 +16,7 @@ from .arch import write_hparams
 from .plan import Checkpoint, build_jobs, estimate_bytes, inspect, n_weights
 from .quantize import BITS_PER_WEIGHT, parse_quant, quantize_file
 from .source import resolve
+from .verify import verify_output
 from .vocab import Vocab, write_vocab
 from .writer import OUTTYPES, ProgressFn, TensorJob, write_gguf
 
@@ -153,6 +154,7 @@ def convert_pair(target: str, out_dir: str | Path, *, draft: str | None = None, 
     try:
         for o in outs:
             _write_model(o, threads, progress, created)
+            verify_output(o.final)
             if o.quant and not keep_intermediate:
                 o.intermediate.unlink()
                 created.remove(o.intermediate)

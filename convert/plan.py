@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import ConversionError
 from . import align
+from ..native.gguf_check import architecture_tensors
 from .arch import ArchSpec, NameMap, read_config, rope_freqs
 from .checkpoint import DTYPES, TensorRef, read_checkpoint
 from .source import Source, weight_files
@@ -64,8 +65,28 @@ def inspect(src: Source) -> Checkpoint:
     missing = [f"blk.{i}" for i in range(spec.n_layer) if f"blk.{i}.attn_q.weight" not in tensors]
     if missing:
         raise ConversionError(f"checkpoint lacks layers {', '.join(missing[:4])} ({src.ref}); a shard is missing")
+    check_shapes(spec, tensors, src.ref)
     rows = tensors[EMBED].shape[0]
     return Checkpoint(src, spec, tensors, load_vocab(src.path, rows, src.ref))
+
+
+def check_shapes(spec: ArchSpec, tensors: dict[str, TensorRef], where: str) -> None:
+    """Every tensor llama.cpp will create is there, in the shape config.json implies (before a byte is written)."""
+    dims = {"n_embd": spec.n_embd, "n_head": spec.n_head, "n_layer": spec.n_layer, "n_ff": spec.n_ff,
+            "head_k": spec.head_dim, "head_v": spec.head_dim, "k_gqa": spec.head_dim * spec.n_head_kv,
+            "v_gqa": spec.head_dim * spec.n_head_kv}
+    n_vocab = tensors[EMBED].shape[0]
+    for x in architecture_tensors(spec.arch_name, dims, n_vocab):
+        ref = tensors.get(x.name)
+        if ref is None:
+            if x.required:
+                raise ConversionError(f"checkpoint lacks the tensor for {x.name} ({where}); a {spec.hf_arch} with "
+                                      "this config.json needs it: the checkpoint is incomplete, fetch it again")
+            continue
+        want = tuple(reversed(x.shape))  # ggml lists the contiguous dimension first, safetensors last
+        if ref.shape != want:
+            raise ConversionError(f"checkpoint tensor {ref.name} has shape {list(ref.shape)}, config.json implies "
+                                  f"{list(want)} ({where}); the checkpoint does not match its config: fetch it again")
 
 
 def permute_rows(chunk: np.ndarray, head_dim: int) -> np.ndarray:

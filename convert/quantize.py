@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..native import _ffi
+from ..native.quantize_proc import quantize_in_child
 from .writer import ProgressFn, atomic_output
 
 log = logging.getLogger("specq.convert")
@@ -48,5 +49,5 @@ def quantize_file(src: Path, dst: Path, quant: str, threads: int = 0, progress: 
 
     with atomic_output(dst) as tmp:
         log.info("quantizing %s -> %s as %s", src.name, dst.name, quant)
-        _ffi.quantize_with_progress(src, tmp, ftype, n_threads=threads, on_tensor=on_tensor)
+        quantize_in_child(src, tmp, ftype, n_threads=threads, on_tensor=on_tensor)  # Ctrl-C ends it at once
     return dst

@@ -17,6 +17,7 @@ import gguf
 import numpy as np
 
 from ..errors import ConversionError
+from ..native import abort_guard
 from .checkpoint import MappedFiles, TensorRef
 
 log = logging.getLogger("specq.convert")
@@ -131,6 +132,7 @@ def temp_path(final: Path) -> Path:
 def atomic_output(final: Path) -> Iterator[Path]:
     """Yield a temporary path; on success it is fsynced and renamed to `final`, on any failure removed."""
     tmp = temp_path(final)
+    abort_guard.track(tmp)  # a native abort removes it too
     try:
         yield tmp
         with open(tmp, "rb") as f:
@@ -140,6 +142,8 @@ def atomic_output(final: Path) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
+    finally:
+        abort_guard.untrack(tmp)
 
 
 def write_gguf(final: Path, arch_name: str, metadata: Callable[[gguf.GGUFWriter], None], jobs: list[TensorJob],

@@ -17,6 +17,9 @@ import numpy as np
 import llama_cpp.llama_cpp as C
 
 from ..errors import ContextFullError, LlamaCallError, ModelFileError, SpecqError, UsageError
+from . import abort_guard
+from .gguf_check import check_model_file
+from .interrupts import deferred_sigint
 
 log = logging.getLogger("specq.native")
 llama_log = logging.getLogger("specq.llama")
@@ -45,6 +48,7 @@ def ensure_backend() -> None:
         return
     C.llama_log_set(_route_log, ctypes.c_void_p(0))
     C.llama_backend_init()
+    abort_guard.install()
     _backend_ready = True
 
 
@@ -93,6 +97,7 @@ def check_gguf_file(path: str | os.PathLike) -> Path:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelFileError(f"not a GGUF file ({p}); convert it with `specq convert` first")
+    check_model_file(p)  # what llama.cpp would abort on or refuse, named in Python first
     return p
 
 
@@ -149,7 +154,8 @@ class Model(_Handle):
         if devices:
             self._devs = device_handles(devices)
             params.devices = ctypes.cast(self._devs, ctypes.c_void_p).value
-        handle = C.llama_model_load_from_file(str(self.path).encode(), params)
+        with deferred_sigint():  # a Ctrl-C inside the log callback would be swallowed: raise it after the load
+            handle = self._h = C.llama_model_load_from_file(str(self.path).encode(), params) or None
         if not handle:
             raise ModelFileError(
                 f"llama.cpp could not load the model ({self.path}); the file may be truncated or corrupt, "
@@ -281,7 +287,9 @@ class Context(_Handle):
     """A llama.cpp context (the KV cache / recurrent state of one sequence) over a Model."""
 
     def __init__(self, model: Model, n_ctx: int, n_threads: int, n_batch: int = 512,
-                 n_outputs_max: int = 0, name: str = "model"):
+                 n_outputs_max: int = 0, name: str = "model", n_rs_seq: int = 0):
+        """`n_rs_seq`: recurrent-state snapshots kept for rolling back the tail of the last decode without a
+        checkpoint (llama.cpp's experimental n_rs_seq; 0 where the architecture does not support it)."""
         self.model = model
         self.name = name
         params = C.llama_context_default_params()
@@ -293,6 +301,7 @@ class Context(_Handle):
         params.n_threads_batch = int(n_threads)
         params.n_outputs_max = int(n_outputs_max)
         params.n_outputs_max_per_seq = 0  # only limits backend sampling, which specq does not use
+        params.n_rs_seq = int(n_rs_seq)
         params.no_perf = True
         handle = C.llama_init_from_model(model.handle, params)
         if not handle:
@@ -315,6 +324,8 @@ class Context(_Handle):
         self.n_outputs = 0
         self.decode_s = 0.0  # wall time spent inside llama_decode, for overhead accounting
         self.n_decode_calls = 0
+        self.n_rs_seq = int(C.llama_n_rs_seq(handle))  # what llama.cpp granted (clamped to 0 if unsupported)
+        self.last_decode_pos0 = 0  # first position of the last llama_decode: rollback snapshots cover only it
         self.on_decode = None  # called as on_decode(name, n_tokens) after each llama_decode (simulated clocks)
 
     @property
@@ -330,11 +341,15 @@ class Context(_Handle):
     def decode(self, tokens, pos0: int, logits: str = "last") -> None:
         """Evaluate `tokens` at positions pos0.. ; logits: "last", "all" or "none".
 
-        Batches longer than n_batch are split; only the final chunk produces the requested outputs.
+        Batches longer than n_batch are split (a prefill); logits="all" must fit in one batch, since only
+        one chunk's outputs can be read back.
         """
         n = len(tokens)
         if n == 0:
             return
+        if logits == "all" and n > self.n_batch:
+            raise SpecqError(f"{self.name}: {n} tokens with logits for all exceed the batch size ({self.n_batch}); "
+                             "this is a bug in the caller")
         if pos0 + n > self.n_ctx:
             raise ContextFullError(
                 f"{self.name} context is full ({pos0 + n} tokens > ctx {self.n_ctx}); use a larger --ctx")
@@ -352,6 +367,7 @@ class Context(_Handle):
                 self._out[m - 1] = 1
             self._batch.n_tokens = m
             t0 = time.perf_counter()
+            self.last_decode_pos0 = pos0 + start
             rc = C.llama_decode(h, self._batch)
             self.decode_s += time.perf_counter() - t0
             self.n_decode_calls += 1
@@ -650,7 +666,3 @@ class TransformChain(_Handle):
     def _free(self, handle) -> None:
         C.llama_sampler_free(handle)
 
-
-def context_n_rs_seq(ctx: Context) -> int:
-    """Recurrent-state snapshots per sequence (0: a recurrent memory cannot roll back without a checkpoint)."""
-    return int(C.llama_n_rs_seq(ctx.handle))

@@ -12,7 +12,7 @@ from typing import Callable
 from .. import __version__
 from ..errors import UsageError
 from . import _ffi, placement
-from .accept import expected_tokens_per_pass, ideal_speedup
+from .cost import pool
 from .engine import Engine, Generation, GenerationSettings, GenerationStats
 
 log = logging.getLogger("specq.bench")
@@ -40,11 +40,16 @@ class BenchConfig:
     chat: bool = False  # wrap each prompt as one user turn in the target's chat template
     engine_options: dict = field(default_factory=dict)  # main_gpu, tensor splits, devices (see Placement)
 
+    @property
+    def speculative(self) -> bool:
+        """Whether there is anything to draft with: a draft model, or n-gram lookup alone."""
+        return self.draft is not None or "ngram" in self.settings.drafters
+
     def points(self) -> list[tuple[int, float]]:
         return list(self.sweep) or [(self.settings.draft_max, self.settings.p_min)]
 
     def n_runs(self) -> int:
-        per_prompt = int(self.baseline) + (len(self.points()) if self.draft else 0)
+        per_prompt = int(self.baseline) + (len(self.points()) if self.speculative else 0)
         return self.repeat * len(self.prompts) * per_prompt
 
 
@@ -97,6 +102,15 @@ def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, setti
         "verify_ms": st.verify_ms if spec else None,
         "n_plain_steps": st.n_plain_steps if spec else None,  # draft_max=auto: steps it chose not to draft
         "n_probes": st.n_probes if spec else None,
+        "steps_by_k": {k: n for k, n in st.steps_by_k} if spec else None,  # cost-model inputs (native/cost.py)
+        "tried_per_pos": list(st.tried_per_pos) if spec else None,
+        "verify_ms_by_size": {b: [n, ms] for b, n, ms in st.verify_ms_by_size} if spec else None,
+        "draft_next_ms": st.draft_next_ms if spec else None,
+        "n_draft_next": st.n_draft_next if spec else None,
+        "n_drafted_by": dict(st.n_drafted_by) if spec else None,  # per drafter: {"model": n, "ngram": n}
+        "n_accepted_by": dict(st.n_accepted_by) if spec else None,
+        "n_restores": st.n_restores,  # checkpoint restores (targets or drafts that cannot drop part of a sequence)
+        "n_rollbacks": st.n_rollbacks,  # recurrent/hybrid tails dropped through state snapshots instead
         "decode_ms": st.decode_ms, "overhead_fraction": st.overhead_fraction, "stop_reason": st.stop_reason,
     }
     return row
@@ -120,26 +134,34 @@ def _draft_min_for(draft_min: int, draft_max: int | str) -> int:
     return min(draft_min, draft_max) if isinstance(draft_max, int) else draft_min
 
 
-def cost_model(base: list[dict], spec: list[dict], draft_max: int | None) -> dict:
-    """Measured α, draft/target cost ratio c and verify cost v, and the speed-ups they imply.
+def cost_model(base: list[dict], spec: list[dict], draft_max: int | str | None) -> dict:
+    """Measured α, costs and the speed-ups they imply (native/cost.py), next to the measured one.
 
     c = draft ms per drafted token ÷ target ms per baseline token; v = verify ms per step ÷ the same.
-    `ideal_speedup` takes a verify pass as one target token; `predicted_speedup` uses the measured v."""
+    `predicted_speedup`: the adaptive controller's model on this run's measurements (per-position acceptance,
+    first and further draft-token costs, verify cost by batch size, overhead; draft_max auto too);
+    `ideal_speedup`: the same with every verify pass as cheap as one baseline token."""
     drafted = sum(r["n_drafted"] for r in spec)
     steps = sum(r["n_steps"] for r in spec)
     alpha = _ratio(sum(r["n_accepted"] for r in spec), drafted)
     draft_tok = _ratio(sum(r["draft_ms"] for r in spec), drafted)
     verify_step = _ratio(sum(r["verify_ms"] for r in spec), steps)
     base_tok = _median([_ratio(r["gen_ms"], r["n_generated"]) for r in base])
-    c, v = _ratio(draft_tok, base_tok), _ratio(verify_step, base_tok)
-    # With draft_max "auto" the length varies per step, so there is no single k to put in the formula.
-    known = alpha is not None and c is not None and isinstance(draft_max, int) and draft_max > 0
+    base_tps = _median([r["tokens_per_s"] for r in base])
+    costs = pool(spec)
+    predicted = costs.predicted_tokens_per_s() if costs else None
+    ideal = costs.ideal_tokens_per_s(base_tok) if costs else None
     return {
         "alpha": alpha, "draft_ms_per_token": draft_tok, "verify_ms_per_step": verify_step,
-        "baseline_ms_per_token": base_tok, "cost_ratio": c, "verify_cost": v,
-        "ideal_speedup": ideal_speedup(alpha, draft_max, c) if known else None,
-        "predicted_speedup": (expected_tokens_per_pass(alpha, draft_max) / (draft_max * c + v))
-        if known and v is not None else None,
+        "baseline_ms_per_token": base_tok, "cost_ratio": _ratio(draft_tok, base_tok),
+        "verify_cost": _ratio(verify_step, base_tok),
+        "alpha_per_pos": costs.alphas() if costs else None,
+        "draft_first_ms": costs.t_first() if costs else None,
+        "draft_next_ms": costs.t_next() if costs and costs.n_draft_next else None,
+        "verify_ms_by_size": {b: costs.verify_ms(b) for b in sorted(costs.verify_ms_by_size)} if costs else None,
+        "overhead_ms_per_step": costs.overhead_ms / costs.n_steps if costs and costs.n_steps else None,
+        "predicted_tokens_per_s": predicted, "ideal_tokens_per_s": ideal,
+        "predicted_speedup": _ratio(predicted, base_tps), "ideal_speedup": _ratio(ideal, base_tps),
     }
 
 
@@ -252,7 +274,7 @@ def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
         prompts = prompt_tokens(eng, cfg)
         names = list(cfg.prompt_names) or [None] * len(prompts)
         plan = ([("baseline", cfg.settings)] if cfg.baseline else []) + \
-            ([("speculative", s) for s in point_settings] if cfg.draft else [])
+            ([("speculative", s) for s in point_settings] if cfg.speculative else [])
         session = eng.session()
         runs = []
         for rep in range(cfg.repeat):
@@ -271,7 +293,7 @@ def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
                                                and (r["draft_max"], r["p_min"]) == (k, p)], cfg.settings.temp, k, p)}
                  for k, p in points]
         best = recommend(sweep) if cfg.sweep else None
-        diverged = first_divergences(eng, prompts, runs) if cfg.settings.temp == 0 and cfg.draft else []
+        diverged = first_divergences(eng, prompts, runs) if cfg.settings.temp == 0 and cfg.speculative else []
         session.reset()
         main = next((pt for pt in sweep if best and (pt["draft_max"], pt["p_min"]) == (best["draft_max"], best["p_min"])),
                     sweep[0])

@@ -8,6 +8,7 @@ and applied by pure functions; the CLI only prints.
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 from dataclasses import asdict, dataclass, field, replace
@@ -87,6 +88,19 @@ def as_text(raw: str) -> str:
     return raw.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
+class ConversationFullError(ContextFullError):
+    """A turn does not fit: the CLI words the fix (/reset exists only in an interactive chat)."""
+
+    def __init__(self, n_tokens: int, n_ctx: int, first_turn: bool):
+        self.n_tokens, self.n_ctx, self.first_turn = n_tokens, n_ctx, first_turn
+        if first_turn:  # nothing to forget: the system prompt and this one message are too long
+            super().__init__(f"the system prompt and this message do not fit in the context ({n_tokens} tokens, "
+                             f"ctx {n_ctx}); use a larger --ctx, or a shorter --system or message")
+        else:
+            super().__init__(f"the conversation is full ({n_tokens} tokens, ctx {n_ctx}); "
+                             "type /reset to start a new one, or use a larger --ctx")
+
+
 # ==== slash commands (pure) ======================================================================
 HELP = """\
 /help          this list
@@ -134,6 +148,8 @@ def apply_setting(settings: GenerationSettings, cmd: Command) -> GenerationSetti
                        "n": ("n_predict", int)}[cmd.name]
     try:
         value = conv(cmd.arg)
+        if not math.isfinite(value):
+            raise ValueError(cmd.arg)
     except ValueError:
         raise UsageError(f"/{cmd.name} needs a number ({cmd.arg or 'nothing given'}); e.g. /{cmd.name} "
                          f"{'4' if conv is int else '0.5'}")
@@ -235,7 +251,7 @@ class ChatSession:
         eos_text = tgt.token_text(tgt.eos).decode("utf-8", "replace") if tgt.eos >= 0 else ""
         self.formatter = TemplateFormatter(template, self._bos_text, eos_text)
         self.settings = settings.validate()
-        self.speculative = engine.draft is not None
+        self.speculative = engine.draft is not None or "ngram" in self.settings.drafters
         self.system = system
         self.session = engine.session()
         self.messages: list[dict] = []
@@ -290,8 +306,7 @@ class ChatSession:
         raw_user = user
         keep, new = self.plan_turn(raw_user)
         if keep + len(new) + 1 > self.n_ctx:
-            raise ContextFullError(f"the conversation is full ({keep + len(new)} tokens, ctx {self.n_ctx}); "
-                                   "type /reset to start a new one, or use a larger --ctx")
+            raise ConversationFullError(keep + len(new), self.n_ctx, first_turn=not self.messages)
         if keep < len(self.session.history):
             log.debug("the rendering of earlier turns changed: keeping %d of %d tokens", keep,
                       len(self.session.history))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import ModelFileError
 from . import _ffi
+from .quantize_proc import quantize_in_child
 
 log = logging.getLogger("specq.demo")
 
@@ -45,7 +46,7 @@ def demo_pair() -> tuple[Path, Path]:
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         log.info("creating the demo target %s (once)", target)
         try:
-            _ffi.quantize(draft, tmp, _ffi.FTYPE_ALL_F32, allow_requantize=True)
+            quantize_in_child(draft, tmp, _ffi.FTYPE_ALL_F32)  # in a child: Ctrl-C ends it at once
             os.replace(tmp, target)
         finally:
             tmp.unlink(missing_ok=True)

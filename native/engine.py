@@ -21,7 +21,8 @@ from . import _ffi
 from .accept import accepted_per_position, greedy_emit, rejection_emit, top_probability
 from .adaptive import AdaptiveDraft
 from .compat import VocabInfo, check_compatible
-from .sampling import SparseDist, Transform, sample
+from .ngram import parse_drafter, point_mass, propose
+from .sampling import SparseDist, Transform, restrict, sample
 
 log = logging.getLogger("specq.engine")
 
@@ -66,6 +67,14 @@ class GenerationSettings:
     min_p: float = 0.05
     seed: int = 0
     accept: str = "auto"  # "match" | "rejection" | "auto" (rejection at temp > 0); temp 0 is always greedy
+    drafter: str = "model"  # "model", "ngram" or a comma list ("model,ngram": the n-gram's proposal on a match)
+    ngram_min: int = 3  # the shortest ending of the text an n-gram proposal needs to have seen before
+    ngram_max: int = 6
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """The drafters in the order each step tries them (native/ngram.py)."""
+        return parse_drafter(self.drafter)
 
     @property
     def adaptive(self) -> bool:
@@ -105,6 +114,10 @@ class GenerationSettings:
             raise UsageError(f"--min-p must be between 0 and 1 ({self.min_p})")
         if self.top_k < 0:
             raise UsageError(f"--top-k must be >= 0 ({self.top_k}); 0 disables it")
+        self.drafters  # noqa: B018 (raises on a bad --drafter)
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise UsageError(f"--ngram-min must be at least 1 and at most --ngram-max ({self.ngram_min}, "
+                             f"{self.ngram_max})")
         return self
 
 
@@ -146,13 +159,21 @@ class GenerationStats(Rates):
     verify_ms: float
     gen_ms: float
     decode_ms: float  # time inside llama_decode (both models) during generation
-    n_restores: int  # checkpoint restores (targets that cannot remove part of a sequence)
+    n_restores: int  # checkpoint restores, both models (memories that cannot remove part of a sequence)
     stop_reason: str  # "eog" | "n_predict" | "ctx" | "interrupted"
     accept_mode: str = "greedy"  # "greedy" | "match" | "rejection"
     sample_ms: float = 0.0  # rejection mode: time in the sampling transform and acceptance (both models)
     n_plain_steps: int = 0  # draft_max=auto: steps that chose not to draft (probes excluded)
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning
-    n_drafts: int = 0  # steps that verified a draft (llama-server's spec_decode_num_drafts)
+    n_rollbacks: int = 0  # recurrent/hybrid tails dropped through state snapshots (no checkpoint restore)
+    n_drafted_by: tuple[tuple[str, int], ...] = ()  # per drafter ("model", "ngram")
+    n_accepted_by: tuple[tuple[str, int], ...] = ()
+    # The cost model's inputs (native/cost.py): what each step drafted, verified and cost.
+    steps_by_k: tuple[tuple[int, int], ...] = ()  # (verified draft length, steps)
+    tried_per_pos: tuple[int, ...] = ()  # steps that verified position i+1 with positions 1..i accepted
+    verify_ms_by_size: tuple[tuple[int, int, float], ...] = ()  # (batch size, passes, total ms)
+    draft_next_ms: float = 0.0  # drafted tokens after a step's first, where measured: their time...
+    n_draft_next: int = 0  # ...and how many
 
     @property
     def overhead_fraction(self) -> float:
@@ -169,15 +190,34 @@ class _Cache:
     checkpoint: tuple[int, bytes] | None = None  # (n_tokens, state) for memories without partial removal
     partial_rm: bool = True
     n_restores: int = 0
+    n_rollbacks: int = 0  # recurrent/hybrid tails removed through llama.cpp's n_rs_seq snapshots
+
+    def _can_roll_back(self, n: int, held: int) -> bool:
+        """Whether seq_rm may drop positions n.. of a recurrent memory: the snapshots cover only the tail of the
+        last decode, at most n_rs_seq tokens (past that llama.cpp's seq_rm may report success and be wrong)."""
+        return 0 < held - n <= self.ctx.n_rs_seq and n >= self.ctx.last_decode_pos0
 
     def truncate(self, n: int) -> None:
-        """Make the memory hold exactly tokens[:n] (n ≤ len(tokens))."""
-        if n >= len(self.tokens):
+        """Make the memory hold exactly tokens[:n], whatever an interrupted call left in it.
+
+        The memory is the source of truth: `extend` records tokens before decoding them, so after an
+        exception anywhere the list may claim more than the memory holds (never the reverse), and
+        positions past the list are removed whatever the list says."""
+        held = self.ctx.pos_max() + 1
+        if held < len(self.tokens):  # a decode that did not complete: its tokens are not in the memory
+            del self.tokens[held:]
+        n = min(n, len(self.tokens))
+        if held <= n:
             return
-        if self.ctx.seq_rm(n, -1):
+        if self.partial_rm and self.ctx.seq_rm(n, -1):
             del self.tokens[n:]
             return
+        if not self.partial_rm and self._can_roll_back(n, held) and self.ctx.seq_rm(n, -1):
+            del self.tokens[n:]
+            self.n_rollbacks += 1
+            return
         # Recurrent/hybrid memory: go back to the checkpoint, then re-evaluate up to n.
+        keep = self.tokens[:n]
         if self.checkpoint is None or self.checkpoint[0] > n:
             self.ctx.clear()
             base = 0
@@ -186,18 +226,27 @@ class _Cache:
             self.ctx.state_set(state)
             self.ctx.seq_rm(base, -1)  # hybrid: the attention part still holds the later positions
             self.n_restores += 1
-        keep = self.tokens[:n]
         del self.tokens[base:]
-        self.ctx.decode(keep[base:], base, logits="none")
-        self.tokens.extend(keep[base:])
+        self.extend(keep[base:], logits="none")
 
-    def save_checkpoint(self) -> None:
-        if not self.partial_rm:
-            self.checkpoint = (len(self.tokens), self.ctx.state_get())
+    def save_checkpoint(self, n_next: int | None = None) -> None:
+        """Save the state before decoding `n_next` more tokens (None: several decodes) that may be rolled back;
+        not needed where the snapshots can roll the whole next decode back but its first token."""
+        if self.partial_rm:
+            return
+        if n_next is not None and n_next - 1 <= self.ctx.n_rs_seq:
+            return
+        self.checkpoint = (len(self.tokens), self.ctx.state_get())
 
     def extend(self, new: list[int], logits: str) -> None:
-        self.ctx.decode(new, len(self.tokens), logits=logits)
-        self.tokens.extend(new)
+        n0 = len(self.tokens)
+        self.tokens.extend(new)  # recorded first: an interruption leaves the list ahead of the memory
+        self.ctx.decode(new, n0, logits=logits)
+
+    def clear(self) -> None:
+        self.tokens.clear()
+        self.checkpoint = None
+        self.ctx.clear()
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -247,11 +296,13 @@ class Engine:
                  draft_tensor_split: list[float] | None = None, devices: list[str] | None = None,
                  draft_devices: list[str] | None = None, draft_ctx: int | None = None,
                  draft_threads: int | None = None, draft_n_batch: int | None = None, cpu_amx: bool = False,
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, rollback_tokens: int = AUTO_DRAFT_CAP):
         """Each model gets its own context size, batch size, threads and GPU layers (the draft's default to
         the target's); generation stops at the smaller context, since the draft holds the same tokens.
         `cpu_amx` lets llama.cpp use its AMX weight buffer, which crashes on some builds (native/cpu.py).
-        `clock` times the steps (default time.perf_counter); a SimulatedClock makes timings deterministic."""
+        `clock` times the steps (default time.perf_counter); a SimulatedClock makes timings deterministic.
+        `rollback_tokens`: on a recurrent/hybrid target, how many rejected tokens a verify can roll back through
+        llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it."""
         for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx, 16), ("--threads", threads, 1),
                                ("--threads-draft", draft_threads, 1)):
             if v is not None and v < least:
@@ -266,8 +317,10 @@ class Engine:
                 self.draft = _ffi.Model(draft, n_gpu_layers=ngl_draft, main_gpu=main_gpu,
                                         tensor_split=draft_tensor_split, devices=draft_devices, cpu_amx=cpu_amx)
                 check_compatible(VocabInfo.of(self.target), VocabInfo.of(self.draft))
-            self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=n_batch,
-                                        n_outputs_max=DRAFT_MAX_CAP + 1, name="target")
+            # A verify batch [last, d1..dn] must be one decode with logits at every row: never split it.
+            self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=max(n_batch, DRAFT_MAX_CAP + 1),
+                                        n_outputs_max=DRAFT_MAX_CAP + 1, name="target",
+                                        n_rs_seq=rollback_tokens if self.target.is_recurrent_or_hybrid else 0)
             self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,
                                          n_batch=draft_n_batch or n_batch, n_outputs_max=1, name="draft")
                             if self.draft is not None else None)
@@ -315,6 +368,7 @@ class _Step:
     verify_s: float
     first_token_s: float | None = None  # seconds to the first drafted token (catch-up included), where clean
     draft_token_s: float | None = None  # seconds per further drafted token, where measured
+    drafter: str | None = None  # who proposed this step's drafts ("model", "ngram")
 
 
 class _Sampling:
@@ -355,22 +409,31 @@ class Session:
         self.history = []
         for c in (self.tgt, self.dft):
             if c is not None:
-                c.ctx.clear()
-                c.tokens.clear()
-                c.checkpoint = None
+                c.clear()
 
     @property
     def n_ctx(self) -> int:
         return self.engine.n_ctx
 
+    @property
+    def n_restores(self) -> int:
+        """Checkpoint restores so far, both models (memories that cannot drop part of a sequence)."""
+        return sum(c.n_restores for c in (self.tgt, self.dft) if c is not None)
+
+    @property
+    def n_rollbacks(self) -> int:
+        """Recurrent/hybrid tails dropped through state snapshots so far, both models."""
+        return sum(c.n_rollbacks for c in (self.tgt, self.dft) if c is not None)
+
     def controller(self, s: GenerationSettings) -> AdaptiveDraft:
         """The draft_max="auto" controller for these sampling settings. It lives as long as the session
         (reset() included): costs and acceptance belong to the pair and the machine, not to one prompt, so
         later generations start from what earlier ones measured instead of from a prior."""
-        key = (s.draft_cap, s.accept_mode, s.temp, s.top_k, s.top_p, s.min_p, s.p_min)
+        key = (s.draft_cap, s.accept_mode, s.temp, s.top_k, s.top_p, s.min_p, s.p_min, s.drafters)
         if key not in self._controllers:
             eng = self.engine
-            ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1)
+            # an n-gram lookup costs next to nothing; a model about its share of the target's bytes
+            ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1) if eng.draft is not None else 0.01
             self._controllers[key] = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio)
         return self._controllers[key]
 
@@ -399,11 +462,14 @@ class Session:
                 if tok >= n_vocab_tgt or (p_min > 0 and top_probability(row) < p_min):
                     break
             else:
+                # Sample only ids the target has (renormalised): stopping on a sampled id it lacks would make
+                # the stop depend on the sampled value and bias the output law.
                 ts = clock()
-                q = samp.draft_tf(row)
-                tok = sample(q, samp.rng)
+                q = restrict(samp.draft_tf(row), n_vocab_tgt)
+                stop = q is None or (p_min > 0 and q.top_prob() < p_min)
+                tok = -1 if stop else sample(q, samp.rng)
                 samp.sample_s += clock() - ts
-                if tok >= n_vocab_tgt or (p_min > 0 and q.top_prob() < p_min):
+                if stop:
                     break
                 dists.append(q)
             drafts.append(tok)
@@ -415,15 +481,27 @@ class Session:
         per_token = (clock() - t_loop) / (len(drafts) - 1) if len(drafts) >= 2 else None
         return drafts, dists, (first, per_token)
 
+    def _propose(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int) -> tuple:
+        """(drafts, their distributions in rejection mode, draft costs, drafter) from the first drafter with a
+        proposal: an n-gram match in the text so far, or the draft model."""
+        for name in s.drafters if n_draft_max > 0 else ():
+            if name == "ngram":
+                drafts = propose(self.history, s.ngram_min, s.ngram_max, n_draft_max)
+                if drafts:
+                    return drafts, [point_mass(t) for t in drafts] if samp.draft_tf else [], (None, None), name
+            elif self.dft is not None:
+                return (*self._draft(n_draft_max, s.p_min, samp), name)
+        return [], [], (None, None), None
+
     def _step(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int) -> "_Step":
         clock = self.engine.clock
         t0 = clock()
-        drafts, q, costs = self._draft(n_draft_max, s.p_min, samp) if n_draft_max > 0 else ([], [], (None, None))
+        drafts, q, costs, drafter = self._propose(s, samp, n_draft_max)
         if len(drafts) < s.draft_min:
-            drafts, q = [], []
+            drafts, q, drafter = [], [], None
         t1 = clock()
         # One target pass over [last, d1..dn], logits at every position.
-        self.tgt.save_checkpoint()
+        self.tgt.save_checkpoint(n_next=len(drafts) + 1)  # the verify is one decode; its first token stays
         self.tgt.extend([self.history[-1]] + drafts, logits="all")
         if samp.mode == "greedy":
             emitted = greedy_emit(self.tgt.ctx.logits(len(drafts) + 1), drafts)
@@ -441,7 +519,7 @@ class Session:
                 if i == len(drafts) or tok != drafts[i]:
                     break
         t2 = clock()
-        return _Step(emitted, len(drafts), t1 - t0, t2 - t1, *costs)
+        return _Step(emitted, len(drafts), t1 - t0, t2 - t1, *costs, drafter=drafter)
 
     def _rewind(self) -> None:
         """Roll both memories back to the committed history (the target holds all but the last token)."""
@@ -481,8 +559,8 @@ class Session:
     def generate(self, new_tokens: list[int], settings: GenerationSettings,
                  speculative: bool = True) -> "Generation":
         settings.validate()
-        if speculative and self.dft is None:
-            raise UsageError("speculative decoding needs a draft model; pass --draft")
+        if speculative and self.dft is None and "ngram" not in settings.drafters:
+            raise UsageError("speculative decoding needs a draft model; pass --draft (or --drafter ngram)")
         return Generation(self, new_tokens, settings, speculative)
 
 
@@ -499,8 +577,31 @@ class _Progress:
     t_gen0: float | None = None
     decode0: float = 0.0
     restores0: int = 0
+    rollbacks0: int = 0
     plain0: int = 0  # the controller's counters when this generation began (it outlives generations)
     probes0: int = 0
+    drafted_by: dict = field(default_factory=dict)
+    accepted_by: dict = field(default_factory=dict)
+    steps_by_k: dict = field(default_factory=dict)
+    tried: list[int] = field(default_factory=list)
+    verify_by_size: dict = field(default_factory=dict)
+    draft_next_s: float = 0.0
+    n_draft_next: int = 0
+
+    def record_costs(self, step: "_Step", n_emitted: int) -> None:
+        """One step's inputs to the cost model; positions past the end of the output do not count."""
+        k, a = step.n_drafted, len(step.emitted) - 1
+        self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
+        reach = min(k, a + 1, n_emitted)
+        self.tried.extend([0] * (reach - len(self.tried)))
+        for i in range(reach):
+            self.tried[i] += 1
+        v = self.verify_by_size.setdefault(k + 1, [0, 0.0])
+        v[0] += 1
+        v[1] += step.verify_s
+        if step.draft_token_s is not None and k >= 2:
+            self.draft_next_s += step.draft_token_s * (k - 1)
+            self.n_draft_next += k - 1
 
 
 class Generation:
@@ -534,12 +635,17 @@ class Generation:
             accepted_per_pos=tuple(accepted_per_position(p.accepted, s.draft_cap)) if self.speculative else (),
             prompt_ms=p.prompt_s * 1e3, draft_ms=p.draft_s * 1e3, verify_ms=p.verify_s * 1e3,
             gen_ms=gen_s * 1e3, decode_ms=(sum(c.decode_s for c in self._ctxs) - p.decode0) * 1e3,
-            n_restores=self.session.tgt.n_restores - p.restores0, stop_reason=stop,
+            n_restores=self.session.n_restores - p.restores0, n_rollbacks=self.session.n_rollbacks - p.rollbacks0,
+            stop_reason=stop,
             accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
                 "greedy" if s.temp <= 0 else "sample"),
             sample_ms=samp.sample_s * 1e3 if samp else 0.0,
-            n_plain_steps=ctrl.n_plain_steps - p.plain0 if ctrl else 0, n_probes=ctrl.n_probes - p.probes0 if ctrl else 0,
-            n_drafts=len(p.accepted))
+            n_plain_steps=ctrl.n_plain_steps - p.plain0 if ctrl else 0,
+            n_probes=ctrl.n_probes - p.probes0 if ctrl else 0,
+            steps_by_k=tuple(sorted(p.steps_by_k.items())), tried_per_pos=tuple(p.tried),
+            verify_ms_by_size=tuple((b, n, ms * 1e3) for b, (n, ms) in sorted(p.verify_by_size.items())),
+            draft_next_ms=p.draft_next_s * 1e3, n_draft_next=p.n_draft_next,
+            n_drafted_by=tuple(sorted(p.drafted_by.items())), n_accepted_by=tuple(sorted(p.accepted_by.items())))
 
     def snapshot(self) -> GenerationStats:
         """The stats so far (stop_reason "running"); the final ones once the generation has ended."""
@@ -563,7 +669,7 @@ class Generation:
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         stop = "interrupted"
         p.decode0 = sum(c.decode_s for c in self._ctxs)
-        p.restores0 = ses.tgt.n_restores
+        p.restores0, p.rollbacks0 = ses.n_restores, ses.n_rollbacks
         p.t_gen0 = self._clock()
         try:
             while True:
@@ -586,9 +692,6 @@ class Generation:
                 p.n_steps += 1
                 p.draft_s += step.draft_s
                 p.verify_s += step.verify_s
-                if step.n_drafted:
-                    p.n_drafted += step.n_drafted
-                    p.accepted.append(len(step.emitted) - 1)
                 done = None
                 events = []
                 for i, tok in enumerate(step.emitted):
@@ -604,6 +707,15 @@ class Generation:
                     if remaining is not None and len(self.tokens) >= s.n_predict:
                         done = "n_predict"
                         break
+                if step.n_drafted:
+                    # Only positions the output reached count: an EOG or n_predict may end the generation inside a
+                    # step, and the draft tokens past it were neither emitted nor part of the answer.
+                    p.n_drafted += min(step.n_drafted, len(events))
+                    p.accepted.append(min(len(step.emitted) - 1, len(events)))
+                    p.drafted_by[step.drafter] = p.drafted_by.get(step.drafter, 0) + min(step.n_drafted, len(events))
+                    p.accepted_by[step.drafter] = p.accepted_by.get(step.drafter, 0) + p.accepted[-1]
+                if self.speculative:
+                    p.record_costs(step, len(events))
                 ses._rewind()
                 if ctrl is not None:
                     ctrl.observe(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,

@@ -28,6 +28,7 @@ class TensorInfo:
     shape: tuple[int, ...]  # ggml order: ne0 (the contiguous dimension) first
     ggml_type: int
     nbytes: int
+    offset: int = 0  # of the data, from the start of the data section
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class GGUFHeader:
     version: int
     metadata: dict = field(repr=False)
     tensors: tuple[TensorInfo, ...] = field(repr=False)
+    data_offset: int = 0  # where the data section starts in the file (aligned)
+    file_size: int = 0
 
     @property
     def arch(self) -> str:
@@ -71,8 +74,9 @@ def tensor_nbytes(shape: tuple[int, ...], ggml_type: int, name: str = "", path: 
 
 
 class _Cursor:
-    def __init__(self, buf, path: str):
+    def __init__(self, buf, path: str, keep_long: bool = False):
         self.buf, self.pos, self.path = buf, 0, path
+        self.keep_long = keep_long  # read the next long array in full (a key the caller asked for)
 
     def take(self, fmt: str):
         try:
@@ -99,7 +103,7 @@ class _Cursor:
             return self.string()
         if vtype == _ARRAY:
             sub, n = self.take("I"), self.take("Q")
-            if n <= ARRAY_KEEP_MAX:
+            if n <= ARRAY_KEEP_MAX or self.keep_long:
                 return [self.value(sub) for _ in range(n)]
             if sub in _SCALARS:
                 self.pos += n * struct.calcsize(_SCALARS[sub])
@@ -115,13 +119,16 @@ class _Cursor:
                              "the file is corrupt or newer than this gguf version")
 
 
-def read_header(path: str | os.PathLike) -> GGUFHeader:
-    """Parse a GGUF file's header; the tensor data may be absent (a header-only or sparse file works)."""
+def read_header(path: str | os.PathLike, keep: tuple[str, ...] = ()) -> GGUFHeader:
+    """Parse a GGUF file's header; the tensor data may be absent (a header-only or sparse file works).
+
+    keep: metadata keys whose long arrays are read in full (e.g. the token list for validation)."""
     p = Path(path)
     if not p.is_file():
         raise ModelFileError(f"model file not found ({p}); check the path")
     with p.open("rb") as f:
-        if os.fstat(f.fileno()).st_size < 24:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
             raise ModelFileError(f"not a GGUF file ({p}); convert it with `specq convert` first")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             cur = _Cursor(mm, str(p))
@@ -134,12 +141,18 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
             meta = {}
             for _ in range(n_kv):
                 key = cur.string()
+                cur.keep_long = key in keep
                 meta[key] = cur.value(cur.take("I"))
+                cur.keep_long = False
             tensors = []
             for _ in range(n_tensors):
                 name = cur.string()
                 n_dims = cur.take("I")
                 shape = tuple(cur.take("Q") for _ in range(n_dims))
-                ggml_type, _offset = cur.take("IQ")
-                tensors.append(TensorInfo(name, shape, ggml_type, tensor_nbytes(shape, ggml_type, name, str(p))))
-    return GGUFHeader(str(p), version, meta, tuple(tensors))
+                ggml_type, offset = cur.take("IQ")
+                tensors.append(TensorInfo(name, shape, ggml_type, tensor_nbytes(shape, ggml_type, name, str(p)),
+                                          offset))
+            align = meta.get("general.alignment", 32)
+            align = align if isinstance(align, int) and align > 0 else 32
+            data_offset = -(-cur.pos // align) * align
+    return GGUFHeader(str(p), version, meta, tuple(tensors), data_offset, size)

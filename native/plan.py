@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..errors import ModelFileError, PlanError, UsageError
-from .gguf_header import GGUFHeader, read_header
+from .gguf_check import check_model_file
+from .gguf_header import GGUFHeader
 
 log = logging.getLogger("specq.plan")
 
@@ -35,6 +36,7 @@ N_UBATCH = 512  # specq's contexts use n_batch = n_ubatch = 512
 RESERVE_BYTES = 1 * GiB
 CACHE_TYPES = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}
 
+MAX_DEVICE_BYTES = 64 << 40  # far beyond any accelerator; larger is a typo, not a plan
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
@@ -50,6 +52,9 @@ def parse_size(text: str) -> int:
     value = float(m.group(1)) * _UNITS[unit]
     if value < 1:
         raise UsageError(f"memory size must be positive ({text!r}); write it like 24GiB")
+    if value > MAX_DEVICE_BYTES:
+        raise UsageError(f"memory size is implausibly large ({text!r}, over {MAX_DEVICE_BYTES >> 40} TiB for one "
+                         "device); write the size of one GPU like 24GiB or 80GiB")
     return int(value)
 
 
@@ -124,7 +129,7 @@ def _per_layer(value, n_layer: int, what: str, path: str) -> list[int]:
 
 
 def model_shape(path: str, header: GGUFHeader | None = None) -> ModelShape:
-    h = header or read_header(path)
+    h = header or check_model_file(path)  # a truncated or inconsistent file is refused, not planned
 
     def need(key: str):
         v = h.arch_key(key)

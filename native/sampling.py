@@ -31,6 +31,18 @@ class SparseDist:
         return float(self.probs.max())
 
 
+def restrict(dist: SparseDist, n_vocab: int) -> SparseDist | None:
+    """`dist` conditioned on ids < n_vocab (None if it has no mass there): a draft whose vocabulary is larger
+    than the target's must draft from this, since the target can never accept its extra ids."""
+    keep = dist.ids < n_vocab
+    if keep.all():
+        return dist
+    if not keep.any():
+        return None
+    probs = dist.probs[keep]
+    return SparseDist(dist.ids[keep], probs / probs.sum())
+
+
 def softmax_kept(ids: np.ndarray, logits: np.ndarray) -> SparseDist:
     """Softmax over the kept (already temperature-scaled) logits, as llama.cpp's dist sampler computes it."""
     e = np.exp(logits.astype(np.float64) - float(logits.max()))

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
-from ..errors import SpecqError
+from ..errors import SpecqError, UsageError
 from .engine import ACCEPT_MODES, DRAFT_MAX_CAP, GenerationSettings, GenerationStats
+from .ngram import parse_drafter
 
 MAX_STOPS = 16  # OpenAI allows 4; llama-server takes any number. A bound keeps the per-token scan cheap.
 # Fields OpenAI defines that this server cannot honour: refused, never silently ignored.
@@ -61,7 +62,7 @@ class Limits:
 
     max_tokens: int
     model_id: str
-    draft: bool  # the server has a draft model
+    draft: bool  # the server has a draft model (drafter "model" needs one)
 
 
 @dataclass(frozen=True)
@@ -175,11 +176,23 @@ def parse_sampling(body: dict, limits: Limits) -> dict:
             raise bad(f"'accept' must be one of {', '.join(ACCEPT_MODES)} (got {json.dumps(acc)})", "accept")
         out["accept"] = acc
     drafter = body.get("drafter")
-    if drafter is not None and not (drafter == "model" and limits.draft):
-        raise bad(f"'drafter' {json.dumps(drafter)} is not available here; this server drafts with "
-                  + ("its draft model (drafter \"model\")" if limits.draft else "nothing (it has no draft model)"),
-                  "drafter")
+    if drafter is not None:
+        out["drafter"] = parse_drafter_field(drafter, limits)
     return out
+
+
+def parse_drafter_field(drafter: Any, limits: Limits) -> str:
+    """`drafter`: model, ngram or a comma list; "model" only where the server loaded a draft model."""
+    try:
+        names = parse_drafter(drafter) if isinstance(drafter, str) else None
+    except UsageError:
+        names = None
+    if names is None:
+        raise bad(f"'drafter' must be \"model\", \"ngram\" or a comma list of them (got {json.dumps(drafter)})",
+                  "drafter")
+    if "model" in names and not limits.draft:
+        raise bad("'drafter' \"model\" needs a draft model and this server has none; use \"ngram\"", "drafter")
+    return drafter
 
 
 def parse_content(content: Any, i: int) -> str:

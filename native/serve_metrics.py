@@ -65,7 +65,7 @@ class ServerMetrics:
         if st.speculative:
             self.draft_tokens.inc(st.n_drafted)
             self.accepted_tokens.inc(st.n_accepted)
-            self.drafts.inc(st.n_drafts)
+            self.drafts.inc(sum(n for k, n in st.steps_by_k if k > 0))
             for pos, n in enumerate(st.accepted_per_pos):
                 if n:
                     self.accepted_per_pos.labels(position=str(pos)).inc(n)

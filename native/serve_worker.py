@@ -97,7 +97,6 @@ class Worker:
     def __init__(self, engine: Engine, metrics: "ServerMetrics", max_queue: int):
         self.engine = engine
         self.session = engine.session()
-        self.speculative = engine.draft is not None
         self.metrics = metrics
         self.max_queue = max_queue
         self._jobs: queue.Queue[Job | None] = queue.Queue()
@@ -177,7 +176,8 @@ class Worker:
         ses = self.session
         n_reused = reused_prefix(ses.tgt.tokens, job.prompt)  # what prefill will keep of the target's cache
         del ses.history[:]  # the prompt replaces the history; prefill keeps the shared cached prefix
-        gen = ses.generate(job.prompt, job.settings, speculative=self.speculative)
+        speculative = self.engine.draft is not None or "ngram" in job.settings.drafters
+        gen = ses.generate(job.prompt, job.settings, speculative=speculative)
         matcher = StopMatcher(job.stops)
         n_kept = 0
         sent_chars = 0

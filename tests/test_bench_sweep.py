@@ -15,7 +15,6 @@ import specq.native.bench as bench_lib
 from specq.cli.bench import cost_line, histogram, parse_list, recommendation_line, report
 from specq.cli.main import app
 from specq.errors import UsageError
-from specq.native.accept import ideal_speedup
 from specq.native.bench import CSV_COLUMNS, load_prompt_set
 from specq.native.engine import GenerationStats, ModelInfo
 
@@ -38,9 +37,12 @@ class FakeGen:
             steps = 4
             drafted = steps * k
             accepted = int(0.8 * drafted)
+            # cost-model inputs: every step verifies positions 1 and 2; all accept the 1st, half the 2nd
             self.stats = GenerationStats(True, 5, 10, steps, drafted, accepted, (steps, steps // 2), 1.0,
                                          1.0 * drafted, 10.0 * steps, 1.0 * drafted + 10.0 * steps + 2.0, 1.0, 0,
-                                         "n_predict")
+                                         "n_predict", steps_by_k=((k, steps),), tried_per_pos=(steps, steps)[:k],
+                                         verify_ms_by_size=((k + 1, steps, 10.0 * steps),),
+                                         draft_next_ms=1.0 * steps * (k - 1), n_draft_next=steps * (k - 1))
         else:
             self.stats = GenerationStats(False, 5, 10, 10, 0, 0, (), 1.0, 0.0, 0.0, 100.0, 90.0, 0, "n_predict")
         return self
@@ -99,7 +101,15 @@ def test_sweep_document_with_fake_engine(fake, tmp_path):
         assert s["alpha"] == pytest.approx(int(0.8 * 4 * k) / (4 * k))
         assert s["cost_ratio"] == pytest.approx(1.0 / 10.0)  # 1 ms per drafted token ÷ 10 ms per baseline token
         assert s["verify_cost"] == pytest.approx(1.0)  # 10 ms per verify ÷ 10 ms per baseline token
-        assert s["ideal_speedup"] == pytest.approx(ideal_speedup(s["alpha"], k, 0.1))
+        # the model: E = 1 + α1 + α1·α2 tokens per step (α = 1, 0.5), 1 ms per drafted token, 10 ms per verify,
+        # 0.5 ms overhead per step; the ideal prices a verify and its overhead as one baseline token (10 ms)
+        expected = 1 + 1 + (0.5 if k >= 2 else 0)
+        predicted = 4 * expected / ((4 * k + 40 + 2) / 1000)
+        assert s["alpha_per_pos"] == ([1.0, 0.5] if k >= 2 else [1.0])
+        assert s["predicted_tokens_per_s"] == pytest.approx(predicted)
+        assert s["predicted_speedup"] == pytest.approx(predicted / 100.0)
+        assert s["ideal_speedup"] == pytest.approx(4 * expected / ((4 * k + 40) / 1000) / 100.0)
+        assert s["draft_first_ms"] == pytest.approx(1.0) and s["verify_ms_by_size"] == {str(k + 1): pytest.approx(10.0)}  # JSON keys
         assert s["accepted_per_pos"] == [4 * 6, 2 * 6] and s["accept_at_pos"] == [1.0, 0.5]
     best = doc["recommendation"]
     assert (best["draft_max"], best["p_min"]) == (1, 0)  # the fake gets slower with every drafted token

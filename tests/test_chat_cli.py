@@ -131,7 +131,7 @@ def test_piped_with_fake_engine_prints_answers_and_one_final_stats_line(fake, tm
 def test_piped_bad_command_is_reported_and_exit_1(fake):
     r = runner.invoke(app, ["chat", "--target", "x.gguf", "--draft", "y.gguf"], input="/k zero\nhi\n")
     assert r.exit_code == 1
-    assert "specq: /k needs a number" in r.stderr
+    assert "specq: error: /k needs a number" in r.stderr
     assert json.loads(r.stderr.strip().splitlines()[-1])["turns"] == 1
 
 

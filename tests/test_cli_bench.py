@@ -104,7 +104,7 @@ def test_truncated_gguf(tmp_path, tiny_target, tiny_close):
     f = tmp_path / "truncated.gguf"
     f.write_bytes(data[: len(data) // 2])
     r = bench("--target", f, "--draft", tiny_close)
-    assert_one_line_error(r, 1, "could not load", "truncated.gguf")
+    assert_one_line_error(r, 1, "model file is truncated", "truncated.gguf")
 
 
 def test_incompatible_draft(tiny_target, tiny_incompatible):

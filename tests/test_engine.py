@@ -78,7 +78,6 @@ def test_close_draft_is_partially_accepted(engines):
     # Exercises rollback: some drafts rejected mid-way, some accepted.
     st = run(engines["close"], PROMPTS[0], True, n_predict=64, draft_max=4).stats
     assert 0 < st.n_accepted < st.n_drafted
-    assert st.accepted_per_pos[0] >= st.accepted_per_pos[-1]
 
 
 def test_unrelated_draft_is_mostly_rejected(engines):
@@ -102,13 +101,6 @@ def test_rollback_leaves_target_cache_consistent(engines, tiny_target):
         fresh.tgt_ctx.decode(hist, 0, logits="last")
         ref = np.array(fresh.tgt_ctx.logits(1)[0])
     np.testing.assert_allclose(after, ref, rtol=1e-3, atol=1e-3)
-
-
-def test_draft_min_drops_short_drafts(engines):
-    st = run(engines["close"], PROMPTS[0], True, n_predict=40, draft_max=4, draft_min=4, p_min=0.9).stats
-    base = run(engines["close"], PROMPTS[0], True, n_predict=40, draft_max=4, draft_min=0, p_min=0.9).stats
-    assert st.n_drafted % 4 == 0  # only full drafts counted
-    assert st.n_drafted <= base.n_drafted
 
 
 def test_sampling_temperature_speculative_matches_baseline_with_same_seed(engines, baselines):

@@ -52,9 +52,17 @@ def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def truncated(tiny_target, tmp_path_factory) -> Path:
-    """A GGUF whose header is fine but whose tensor data is cut: llama.cpp itself fails to load it."""
+    """A GGUF whose header is fine but whose tensor data is cut: specq names the tensor before llama.cpp loads it."""
     p = tmp_path_factory.mktemp("bad") / "truncated.gguf"
     p.write_bytes(Path(tiny_target).read_bytes()[:300_000])
+    return p
+
+
+@pytest.fixture(scope="module")
+def unloadable(tiny_target, tmp_path_factory) -> Path:
+    """A well-formed GGUF of an architecture llama.cpp does not know: llama.cpp itself refuses to load it."""
+    p = tmp_path_factory.mktemp("bad") / "unknown-arch.gguf"
+    p.write_bytes(Path(tiny_target).read_bytes().replace(b"llama", b"llamq"))
     return p
 
 
@@ -116,13 +124,19 @@ def test_plan_is_quiet(tiny_target, tiny_close):
 def test_bench_on_a_truncated_model_fails_in_one_line(truncated):
     r = specq("bench", "--target", truncated, "--n-predict", 4)
     assert r.returncode == 1
+    assert "model file is truncated" in one_error_line(r)
+
+
+def test_bench_on_a_model_llama_cpp_refuses_fails_in_one_line(unloadable):
+    r = specq("bench", "--target", unloadable, "--n-predict", 4)
+    assert r.returncode == 1
     assert "could not load the model" in one_error_line(r)
 
 
 def test_chat_on_a_truncated_model_fails_in_one_line(truncated):
     r = specq("chat", "--target", truncated, "--n-predict", 4, stdin="hi\n")
     assert r.returncode == 1
-    assert "could not load the model" in one_error_line(r)
+    assert "model file is truncated" in one_error_line(r)
 
 
 def test_bench_with_an_incompatible_draft_fails_in_one_line(tiny_target, tiny_incompatible):
@@ -133,7 +147,7 @@ def test_bench_with_an_incompatible_draft_fails_in_one_line(tiny_target, tiny_in
 
 def test_tune_on_a_truncated_model_fails_in_one_line(truncated, tiny_close):
     r = specq("tune", "--target", truncated, "--draft", tiny_close, "--n-predict", 4)
-    assert r.returncode == 1 and "could not load the model" in one_error_line(r)
+    assert r.returncode == 1 and "model file is truncated" in one_error_line(r)
 
 
 def test_convert_of_a_missing_folder_fails_in_one_line(tmp_path):
@@ -174,8 +188,8 @@ def test_verbose_convert_shows_the_quantizer_log(checkpoints, tmp_path):
     assert r.returncode == 0 and "llama_model_quantize" in r.stderr
 
 
-def test_verbose_failure_shows_why_llama_failed(truncated):
-    r = specq("bench", "--target", truncated, "--n-predict", 4, "-v")
+def test_verbose_failure_shows_why_llama_failed(unloadable):
+    r = specq("bench", "--target", unloadable, "--n-predict", 4, "-v")
     assert r.returncode == 1
     assert "llama_model_load" in r.stderr or "llama_model_loader" in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("specq: error: ")

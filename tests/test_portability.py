@@ -31,7 +31,8 @@ def tracked_text_files():
     names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     for name in names.splitlines():
         p = ROOT / name
-        if p.is_file() and p.suffix not in (".gguf", ".png", ".safetensors", ".model") and p != Path(__file__).resolve():
+        skip = p.suffix in (".gguf", ".png", ".safetensors", ".model") or p == Path(__file__).resolve()
+        if p.is_file() and not skip:
             yield name, p.read_text(encoding="utf-8", errors="replace")
 
 
@@ -99,7 +100,8 @@ Q4_0, Q4_1, Q4_K, Q8_0, F32 = (int(gguf.GGMLQuantizationType[t]) for t in ("Q4_0
 
 
 def _layers(n, q_type, q_rows=64):
-    out = [("token_embd.weight", (64, 1000), Q4_0), ("output_norm.weight", (64,), F32), ("output.weight", (64, 1000), Q4_0)]
+    out = [("token_embd.weight", (64, 1000), Q4_0), ("output_norm.weight", (64,), F32),
+           ("output.weight", (64, 1000), Q4_0)]
     for i in range(n):
         out += [(f"blk.{i}.attn_norm.weight", (64,), F32), (f"blk.{i}.attn_q.weight", (64, q_rows), q_type),
                 (f"blk.{i}.ffn_down.weight", (128, 64), Q4_K), (f"blk.{i}.ffn_up.weight", (64, 128), Q8_0)]

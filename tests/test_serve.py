@@ -69,6 +69,16 @@ def test_chat_stream_and_non_stream_agree(server):
     assert chunks[-1].usage.model_extra["speculative"]["n_drafted"] > 0
 
 
+def test_a_request_may_pick_the_ngram_drafter(server):
+    c = client(server.url)
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    plain = c.completions.create(model="target", prompt=prompt, max_tokens=40, temperature=0)
+    ngram = c.completions.create(model="target", prompt=prompt, max_tokens=40, temperature=0,
+                                 extra_body={"drafter": "ngram"})
+    assert ngram.choices[0].text == plain.choices[0].text
+    assert ngram.usage.model_extra["speculative"]["n_drafted"] > 0, ngram.choices[0].text
+
+
 def _bench_text(target, draft, prompt: str, n: int, chat_mode: bool) -> str:
     """The target-alone text `specq bench` generates for a prompt."""
     argv = [SPECQ, "bench", "--target", str(target), "--draft", str(draft), "--prompt", prompt, "--n-predict",

@@ -60,13 +60,20 @@ def test_parse_request_maps_openai_names_and_keeps_server_defaults():
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": 3}, "prompt"), ({"prompt": "x", "top_p": 0}, "top_p"), ({"prompt": "x", "stop": [1]}, "stop"),
-    ({"prompt": "x", "stream": "yes"}, "stream"), ({"prompt": "x", "drafter": "ngram"}, "drafter"),
+    ({"prompt": "x", "stream": "yes"}, "stream"), ({"prompt": "x", "drafter": "mtp"}, "drafter"),
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"), ({"prompt": "x", "echo": True}, "echo"),
 ])
 def test_parse_request_names_the_bad_field(body, param):
     with pytest.raises(ApiError) as e:
         parse_request(body, "completion", LIMITS)
     assert e.value.status == 400 and e.value.param == param and param in e.value.message
+
+
+def test_the_model_drafter_needs_a_draft_model():
+    no_draft = Limits(max_tokens=256, model_id="target", draft=False)
+    assert parse_request({"prompt": "x", "drafter": "ngram"}, "completion", no_draft).overrides["drafter"] == "ngram"
+    with pytest.raises(ApiError, match="needs a draft model"):
+        parse_request({"prompt": "x", "drafter": "model,ngram"}, "completion", no_draft)
 
 
 def test_defaults_that_ask_for_nothing_are_accepted():

@@ -127,11 +127,14 @@ def weights(spec: TinySpec, n_rows: int, seed: int) -> dict[str, np.ndarray]:
 
 def write_tiny_gguf(path: str | Path, seed: int = 0, spec: TinySpec = TinySpec(),
                     noise_from: tuple[int, float] | None = None, eos_id: int = 0,
-                    token_override: dict[int, str] | None = None) -> Path:
+                    token_override: dict[int, str] | None = None, edit_weights=None,
+                    bos_id: int | None = 1, add_bos: bool = False, tokenizer_model: str = "gpt2") -> Path:
     """Write a tiny llama-architecture GGUF to `path`.
 
     noise_from=(base_seed, scale): the weights of model `base_seed` plus scale × fresh noise (seeded by `seed`).
     token_override: replace the text of some token ids (to make an incompatible vocabulary).
+    edit_weights: a function dict -> dict over the tensors before they are written (bad-file tests);
+    bos_id None writes no BOS id.
     """
     path = Path(path)
     tokens, merges = vocab(spec.n_merges)
@@ -147,6 +150,8 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, spec: TinySpec = TinySpec()
         w = {k: (v + scale * noise[k] if v.ndim == 2 else v) for k, v in w.items()}
     else:
         w = weights(spec, n_rows, seed)
+    if edit_weights is not None:
+        w = edit_weights(w)
     all_tokens = tokens + [f"[PAD{i}]" for i in range(spec.extra_rows)]
     types = ([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (n_real - len(SPECIALS))
              + [gguf.TokenType.UNUSED] * spec.extra_rows)
@@ -165,14 +170,15 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, spec: TinySpec = TinySpec()
     writer.add_rope_freq_base(10000.0)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_vocab_size(n_rows)
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre("default")
     writer.add_token_list(all_tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
+    if bos_id is not None:
+        writer.add_bos_token_id(bos_id)
     writer.add_eos_token_id(eos_id)
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHAT_TEMPLATE)
     for name, arr in w.items():
         writer.add_tensor(name, arr)
@@ -180,4 +186,158 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, spec: TinySpec = TinySpec()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+# -- tiny hybrid Qwen3.5 (llama.cpp architecture "qwen35") ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TinyQwen35Spec:
+    """Shapes of a tiny Qwen3.5: Gated DeltaNet (linear-attention) layers, every 4th layer full attention."""
+    n_layer: int = 4
+    n_embd: int = 64
+    n_ff: int = 128
+    n_ctx: int = 2048
+    n_merges: int = 200
+    full_attention_interval: int = 4
+    # full-attention layers: gated queries (Q and its gate share one projection), GQA, head_dim ≠ n_embd / n_head
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 32
+    n_rot: int = 8                             # partial rotary, as Qwen3.5 (a quarter of head_dim)
+    rope_sections: tuple[int, ...] = (2, 1, 1, 0)  # interleaved M-RoPE sections; they sum to n_rot / 2
+    # linear-attention layers (Gated DeltaNet)
+    linear_k_heads: int = 2                    # ssm.group_count
+    linear_v_heads: int = 4                    # ssm.time_step_rank
+    linear_head_dim: int = 16                  # ssm.state_size; llama.cpp takes it for both key and value heads
+    conv_kernel: int = 4
+
+    def is_full_attention(self, il: int) -> bool:
+        return (il + 1) % self.full_attention_interval == 0
+
+
+def qwen35_weights(spec: TinyQwen35Spec, n_vocab: int, seed: int, with_mtp: bool) -> dict[str, np.ndarray]:
+    """Random Qwen3.5 weights in GGUF layout (numpy shape = reversed ggml shape). The MTP block is drawn
+    after the trunk, so a model with and one without it share their trunk weights."""
+    rng = np.random.default_rng(seed)
+    d, ff, hd = spec.n_embd, spec.n_ff, spec.head_dim
+    kd = spec.linear_head_dim * spec.linear_k_heads   # key_dim of the linear layers
+    vd = spec.linear_head_dim * spec.linear_v_heads   # value_dim (= ssm.inner_size)
+
+    def mat(rows, cols, scale=None):
+        return (rng.standard_normal((rows, cols)) * (1 / np.sqrt(cols) if scale is None else scale)).astype(np.float32)
+
+    def norm(n):
+        # Qwen3.5 keeps RMSNorm weights as offsets from 1; the converter adds the 1, so a GGUF holds values near 1.0
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def attention(b):
+        return {
+            b + "attn_q.weight": mat(2 * spec.n_head * hd, d),  # per head: hd query rows, then hd gate rows
+            b + "attn_k.weight": mat(spec.n_head_kv * hd, d),
+            b + "attn_v.weight": mat(spec.n_head_kv * hd, d),
+            b + "attn_output.weight": mat(d, spec.n_head * hd),
+            b + "attn_q_norm.weight": norm(hd),
+            b + "attn_k_norm.weight": norm(hd),
+        }
+
+    def ffn(b):
+        return {b + "ffn_gate.weight": mat(ff, d), b + "ffn_up.weight": mat(ff, d), b + "ffn_down.weight": mat(d, ff)}
+
+    w = {"token_embd.weight": mat(n_vocab, d, 1.0), "output_norm.weight": norm(d),
+         "output.weight": mat(n_vocab, d, 2.0 / np.sqrt(d))}
+    for il in range(spec.n_layer):
+        b = f"blk.{il}."
+        w[b + "attn_norm.weight"] = norm(d)
+        w[b + "post_attention_norm.weight"] = norm(d)
+        if spec.is_full_attention(il):
+            w.update(attention(b))
+        else:
+            w[b + "attn_qkv.weight"] = mat(2 * kd + vd, d)   # rows: q heads, k heads, v heads
+            w[b + "attn_gate.weight"] = mat(vd, d)           # z, the output gate
+            w[b + "ssm_conv1d.weight"] = mat(2 * kd + vd, spec.conv_kernel, 0.5)
+            w[b + "ssm_beta.weight"] = mat(spec.linear_v_heads, d)
+            w[b + "ssm_alpha.weight"] = mat(spec.linear_v_heads, d)
+            w[b + "ssm_dt.bias"] = np.full(spec.linear_v_heads, -1.0, np.float32)
+            # stored as A = −exp(A_log) (what the converter writes): negative, so the state decays
+            w[b + "ssm_a"] = -rng.uniform(1.0, 8.0, spec.linear_v_heads).astype(np.float32)
+            # the gated output norm is the one Qwen3.5 norm stored as is (no +1 in the converter)
+            w[b + "ssm_norm.weight"] = norm(spec.linear_head_dim)
+            w[b + "ssm_out.weight"] = mat(d, vd)
+        w.update(ffn(b))
+    if with_mtp:
+        # one NextN block after the trunk: a full-attention decoder layer fed by
+        # eh_proj([enorm(embedding of the next token), hnorm(the trunk's last hidden state)])
+        b = f"blk.{spec.n_layer}."
+        w[b + "attn_norm.weight"] = norm(d)
+        w[b + "post_attention_norm.weight"] = norm(d)
+        w.update(attention(b))
+        w.update(ffn(b))
+        w[b + "nextn.eh_proj.weight"] = mat(d, 2 * d)
+        w[b + "nextn.enorm.weight"] = norm(d)
+        w[b + "nextn.hnorm.weight"] = norm(d)
+        w[b + "nextn.shared_head_norm.weight"] = norm(d)
+    return w
+
+
+def write_tiny_qwen35(path: str | Path, seed: int = 0, n_layer: int = 4, noise_from: tuple[int, float] | None = None,
+                      with_mtp: bool = False, spec: TinyQwen35Spec | None = None, eos_id: int = 0) -> Path:
+    """Write a tiny hybrid Qwen3.5 GGUF (llama.cpp arch `qwen35`, F32) with the tiny llama models' vocabulary.
+
+    llama.cpp gives it hybrid memory: recurrent state for the linear-attention layers, a KV cache for the
+    full-attention ones. noise_from=(base_seed, scale): model `base_seed`'s weights plus scale × fresh noise
+    (seeded by `seed`) on every matrix, a draft that often agrees. with_mtp: one NextN (MTP) block as layer
+    n_layer, counted in block_count and announced by nextn_predict_layers; llama.cpp skips it unless the model
+    is loaded with load_mtp. `spec`, when given, sets every shape (its n_layer wins over `n_layer`).
+    """
+    path = Path(path)
+    spec = spec or TinyQwen35Spec(n_layer=n_layer)
+    tokens, merges = vocab(spec.n_merges)
+    n_vocab = len(tokens)
+    w = qwen35_weights(spec, n_vocab, noise_from[0] if noise_from else seed, with_mtp)
+    if noise_from is not None:
+        noise = qwen35_weights(spec, n_vocab, seed, with_mtp)
+        w = {k: (v + noise_from[1] * noise[k] if v.ndim == 2 else v) for k, v in w.items()}
+
+    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN35]
+    wr = gguf.GGUFWriter(str(path), arch)
+    wr.add_name(f"specq-tiny-qwen35-{seed}")
+    wr.add_context_length(spec.n_ctx)
+    wr.add_embedding_length(spec.n_embd)
+    wr.add_block_count(spec.n_layer + int(with_mtp))  # llama.cpp: trunk layers = block_count − nextn layers
+    if with_mtp:
+        wr.add_nextn_predict_layers(1)
+    wr.add_feed_forward_length(spec.n_ff)
+    wr.add_head_count(spec.n_head)
+    wr.add_head_count_kv(spec.n_head_kv)
+    wr.add_key_length(spec.head_dim)
+    wr.add_value_length(spec.head_dim)
+    wr.add_layer_norm_rms_eps(1e-6)
+    wr.add_rope_dimension_count(spec.n_rot)
+    wr.add_rope_dimension_sections(list(spec.rope_sections))  # required by the qwen35 loader
+    wr.add_rope_freq_base(10000.0)
+    wr.add_full_attention_interval(spec.full_attention_interval)
+    wr.add_ssm_conv_kernel(spec.conv_kernel)
+    wr.add_ssm_state_size(spec.linear_head_dim)
+    wr.add_ssm_group_count(spec.linear_k_heads)
+    wr.add_ssm_time_step_rank(spec.linear_v_heads)
+    wr.add_ssm_inner_size(spec.linear_head_dim * spec.linear_v_heads)
+    wr.add_file_type(gguf.LlamaFileType.ALL_F32)
+    wr.add_vocab_size(n_vocab)
+    wr.add_tokenizer_model("gpt2")
+    wr.add_tokenizer_pre("default")
+    wr.add_token_list(tokens)
+    wr.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (n_vocab - len(SPECIALS)))
+    wr.add_token_merges(merges)
+    wr.add_bos_token_id(1)
+    wr.add_eos_token_id(eos_id)
+    wr.add_add_bos_token(False)
+    wr.add_chat_template(CHAT_TEMPLATE)
+    for name, arr in w.items():
+        wr.add_tensor(name, arr)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
     return path

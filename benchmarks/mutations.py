@@ -1,0 +1,136 @@
+"""Mutation check of the engine's rules: apply one wrong rule at a time, run the exactness tests, and report
+which tests kill it. Exits non-zero if any mutant survives (no test fails) or a mutation no longer applies.
+
+The source files are edited in place and restored afterwards (also on Ctrl-C); run it on a clean tree.
+
+    python benchmarks/mutations.py [--only NAME,...] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ["tests/test_exactness.py", "tests/test_rejection.py", "tests/test_engine.py", "tests/test_accept.py",
+         "tests/test_tinyqwen35.py", "tests/test_hybrid.py"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    edits: tuple[tuple[str, str, str], ...]  # (file, exact text, replacement)
+
+
+MUTANTS = [
+    Mutant("bonus-from-draft", "the bonus token drawn from the draft's last distribution, not the target's p[n]",
+           (("native/accept.py", "[draw_sparse(*_pair(p[n]), rng)]", "[draw_sparse(*_pair(q[n - 1] if n else p[n]), rng)]"),)),
+    Mutant("resample-from-p", "after a rejection, sample from p instead of norm(max(0, p - q))",
+           (("native/accept.py", "residual = np.maximum(pp - _probs_at(q[a], ids), 0.0)", "residual = pp"),)),
+    Mutant("accept-with-p", "accept a draft token with probability p(x) instead of min(1, p(x)/q(x))",
+           (("native/accept.py", "reject = np.flatnonzero(rng.random(n) * qd >= pt)",
+             "reject = np.flatnonzero(rng.random(n) >= pt)"),)),
+    Mutant("hybrid-no-seq-rm", "no seq_rm after restoring a hybrid checkpoint (stale attention positions stay)",
+           (("native/engine.py", "            self.ctx.seq_rm(base, -1)  # hybrid: the attention part still holds the later positions\n",
+             ""),)),
+    Mutant("rollback-across-decodes", "a hybrid tail dropped through n_rs_seq snapshots beyond the last decode "
+                                      "(llama.cpp's seq_rm then reports success with a wrong state)",
+           (("native/engine.py", "return 0 < held - n <= self.ctx.n_rs_seq and n >= self.ctx.last_decode_pos0",
+             "return 0 < held - n <= self.ctx.n_rs_seq"),)),
+    Mutant("ignore-eog", "end of generation ignored",
+           (("native/engine.py", "if is_eog:\n                        done = \"eog\"", "if False:\n                        done = \"eog\""),)),
+    Mutant("draft-min-ignored", "--draft-min never drops a short draft",
+           (("native/engine.py", "if len(drafts) < s.draft_min:", "if False:"),)),
+    Mutant("per-pos-exactly", "accepted_per_pos counts steps accepting exactly i+1, not at least i+1",
+           (("native/accept.py", "at_least = np.cumsum(counts[::-1])[::-1]", "at_least = counts"),)),
+    Mutant("record-after-decode", "tokens recorded after llama_decode returns, and truncate trusts the list "
+                                  "(defect 1: an interruption in between leaves a cache out of step)",
+           (("native/engine.py", "        n0 = len(self.tokens)\n        self.tokens.extend(new)  # recorded first: an interruption leaves the list ahead of the memory\n        self.ctx.decode(new, n0, logits=logits)",
+             "        self.ctx.decode(new, len(self.tokens), logits=logits)\n        self.tokens.extend(new)"),
+            ("native/engine.py", "        held = self.ctx.pos_max() + 1\n        if held < len(self.tokens):",
+             "        held = len(self.tokens)\n        if held < len(self.tokens):"))),
+    Mutant("split-verify", "a verify batch larger than n_batch is split and only its last chunk's rows read "
+                           "(defect 2)",
+           (("native/engine.py", "n_batch=max(n_batch, DRAFT_MAX_CAP + 1)", "n_batch=n_batch"),
+            ("native/_ffi.py", 'if logits == "all" and n > self.n_batch:', "if False:"))),
+    Mutant("wide-vocab-stop", "the draft samples its whole vocabulary and stops on an id the target lacks "
+                              "(defect 3: the stop depends on the sampled value)",
+           (("native/engine.py", "q = restrict(samp.draft_tf(row), n_vocab_tgt)", "q = samp.draft_tf(row)"),
+            ("native/engine.py", "samp.sample_s += clock() - ts\n                if stop:",
+             "samp.sample_s += clock() - ts\n                if stop or tok >= n_vocab_tgt:"))),
+    Mutant("count-unemitted", "n_drafted/n_accepted count draft tokens past an EOG or n_predict cut (defect 4)",
+           (("native/engine.py", "p.n_drafted += min(step.n_drafted, len(events))", "p.n_drafted += step.n_drafted"),
+            ("native/engine.py", "p.accepted.append(min(len(step.emitted) - 1, len(events)))",
+             "p.accepted.append(len(step.emitted) - 1)"))),
+]
+
+
+def run_tests(timeout: int) -> tuple[int, list[str], float]:
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    failed = sorted({m.group(1) for m in re.finditer(r"^(?:FAILED|ERROR) (\S+)", r.stdout, re.M)})
+    return r.returncode, failed, time.perf_counter() - t0
+
+
+def apply(m: Mutant, originals: dict[Path, str]) -> None:
+    """Apply a mutant's edits, keeping each file's original text in `originals` (for restoring)."""
+    for rel, old, new in m.edits:
+        p = ROOT / rel
+        text = p.read_text(encoding="utf-8")
+        originals.setdefault(p, text)
+        if text.count(old) != 1:
+            raise SystemExit(f"mutant {m.name}: the text to replace occurs {text.count(old)} times in {rel}; "
+                             "update benchmarks/mutations.py")
+        p.write_text(text.replace(old, new), encoding="utf-8")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", help="comma-separated mutant names")
+    ap.add_argument("--markdown", action="store_true", help="print the result table as Markdown")
+    ap.add_argument("--timeout", type=int, default=900)
+    a = ap.parse_args()
+    chosen = [m for m in MUTANTS if not a.only or m.name in a.only.split(",")]
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "native"], cwd=ROOT, capture_output=True, text=True).stdout
+    if dirty.strip():
+        raise SystemExit("native/ has uncommitted changes; commit or stash them first (the mutants edit it in place)")
+    rc, failed, secs = run_tests(a.timeout)
+    if rc != 0:
+        raise SystemExit(f"the tests fail without any mutation: {failed}")
+    print(f"unmutated: tests pass ({secs:.0f} s)", flush=True)
+    rows, survivors = [], []
+    for m in chosen:
+        originals: dict[Path, str] = {}
+        try:
+            apply(m, originals)
+            rc, failed, secs = run_tests(a.timeout)
+        finally:
+            for p, text in originals.items():
+                p.write_text(text, encoding="utf-8")
+        killed = rc != 0 and bool(failed)
+        if not killed:
+            survivors.append(m.name)
+        rows.append((m, failed))
+        print(f"{m.name}: {'killed by ' + str(len(failed)) + ' tests' if killed else 'SURVIVED'} ({secs:.0f} s)",
+              flush=True)
+    if a.markdown:
+        print("\n| mutant (wrong rule) | killed by |\n|---|---|")
+        for m, failed in rows:
+            names = ", ".join(f"`{f.split('::', 1)[1]}`" for f in failed[:4]) + (
+                f" and {len(failed) - 4} more" if len(failed) > 4 else "")
+            print(f"| `{m.name}`: {m.what} | {names or '**survived**'} |")
+    if survivors:
+        print("survivors: " + ", ".join(survivors), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

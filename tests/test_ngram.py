@@ -1,0 +1,122 @@
+"""N-gram (prompt-lookup) drafting: the lookup itself, exactness through the engine (greedy and rejection
+sampling with a point-mass proposal), the drafter flags, and the gain on text that repeats its input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specq.cli.main import app
+from specq.errors import UsageError
+from specq.native.engine import Engine, GenerationSettings
+from specq.native.ngram import parse_drafter, propose
+from stats import chi2_pvalue
+from test_exactness import target_law
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "for i in range(10): print(i * i)"]
+
+
+def test_propose_follows_the_latest_longest_match():
+    #        0  1  2  3  4  5  6  7  8  9
+    toks = [1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3]
+    assert propose(toks, 2, 4, 3) == [4, 5, 9]  # the longest ending seen before wins: "1 2 3" at 0..2
+    assert propose(toks, 2, 2, 3) == [7, 1, 2]  # of "2 3", the latest occurrence (6..7), followed by 7 1 2
+    assert propose(toks, 2, 2, 1) == [7]
+    assert propose([1, 2, 3, 4], 2, 4, 3) == []  # no ending seen before
+    assert propose(toks, 2, 4, 0) == []
+    assert propose([5, 5, 5], 1, 2, 4) == [5]  # an overlapping earlier occurrence counts; only what follows it
+
+
+def test_parse_drafter_orders_ngram_first_and_refuses_the_rest():
+    assert parse_drafter("model") == ("model",)
+    assert parse_drafter("model,ngram") == ("ngram", "model") == parse_drafter("ngram, model")
+    for bad in ("mtp", "auto", "model,model", "", "ngram,bogus"):
+        with pytest.raises(UsageError, match="--drafter"):
+            parse_drafter(bad)
+    with pytest.raises(UsageError, match="--ngram-min"):
+        GenerationSettings(ngram_min=4, ngram_max=3).validate()
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model,ngram"])
+def test_greedy_identity_with_ngram_drafting(tiny_target, tiny_close, drafter):
+    with Engine(tiny_target, tiny_close if "model" in drafter else None, ctx=512, threads=1) as e:
+        by: dict = {}
+        for prompt in PROMPTS:
+            toks = e.tokenize(prompt)
+            base = e.session().generate(toks, GenerationSettings(n_predict=96), speculative=False).run()
+            g = e.session().generate(toks, GenerationSettings(n_predict=96, draft_max=8, drafter=drafter)).run()
+            assert len(set(base.tokens)) > 5 and g.tokens == base.tokens, prompt
+            for name, n in g.stats.n_drafted_by:
+                by[name] = by.get(name, 0) + n
+            assert sum(n for _, n in g.stats.n_drafted_by) == g.stats.n_drafted
+            assert sum(n for _, n in g.stats.n_accepted_by) == g.stats.n_accepted
+    assert by.get("ngram", 0) > 0  # the tiny model's output repeats itself here and there
+    if "model" in drafter:
+        assert by.get("model", 0) > 0  # and the model drafts where the text has no match
+
+
+def point_mass_context(tiny_target, base: list[int]) -> tuple[list[int], int]:
+    """A prompt whose ending appeared earlier followed by a token x the target gives a fair chance there: the
+    first step then drafts x as a point mass, and both acceptance and rejection happen."""
+    for x in range(5, 300):
+        toks = base[-3:] + [x] + base
+        law = {k[0]: v for k, v in target_law(tiny_target, toks, 1).items()}
+        if 0.1 < law.get(x, 0.0) < 0.8:
+            return toks, x
+    raise AssertionError("no token with a fair chance after the prompt")
+
+
+def test_a_point_mass_proposal_keeps_the_first_token_law_exact(tiny_target):
+    # Accepted with probability p(x), else a sample from p without x: together exactly p.
+    with Engine(tiny_target, None, ctx=128, threads=1) as e:
+        toks, x = point_mass_context(tiny_target, e.tokenize("The quick brown fox"))
+        assert propose(toks, 3, 6, 1) == [x]
+        law = {k[0]: v for k, v in target_law(tiny_target, toks, 1).items()}
+        ses = e.session()
+        counts: dict = {}
+        accepted = 0
+        for seed in range(3000):
+            ses.reset()
+            g = ses.generate(toks, GenerationSettings(n_predict=2, draft_max=1, seed=seed, temp=1.0, top_k=0,
+                                                      top_p=1.0, min_p=0.0, drafter="ngram")).run()
+            assert g.stats.n_drafted_by == (("ngram", 1),)
+            counts[g.tokens[0]] = counts.get(g.tokens[0], 0) + 1
+            accepted += g.stats.n_accepted
+    assert 300 < accepted < 2700
+    assert chi2_pvalue(counts, law) > 0.001
+
+
+def test_bench_with_ngram_alone_needs_no_draft_and_reports_per_drafter(tiny_target):
+    r = CliRunner().invoke(app, ["bench", "--target", str(tiny_target), "--drafter", "ngram", "--n-predict", "48",
+                                 "--prompt", "The quick brown fox", "--threads", "1", "--json", "-", "-q"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["settings"]["drafter"] == "ngram" and doc["draft"] is None
+    spec = [x for x in doc["runs"] if x["mode"] == "speculative"]
+    assert spec and set(spec[0]["n_drafted_by"]) <= {"ngram"} and spec[0]["n_drafted"] == sum(
+        spec[0]["n_drafted_by"].values())
+    assert doc["summary"]["identical_output"] is True
+
+
+@pytest.mark.parametrize("args, phrase", [(["--drafter", "mtp"], "--drafter"),
+                                          (["--drafter", "model,ngram"], "needs a --draft"),
+                                          (["--drafter", "ngram", "--ngram-min", "0"], "--ngram-min")])
+def test_bad_drafter_flags_are_usage_errors(tiny_target, args, phrase):
+    r = CliRunner().invoke(app, ["bench", "--target", str(tiny_target), "--n-predict", "4", *args])
+    assert r.exit_code == 2 and phrase in r.stderr, r.output
+
+
+@pytest.mark.slow
+def test_ngram_drafting_accepts_most_of_a_copy_on_the_demo_model():
+    from specq.native.demo import demo_pair
+
+    code = "def add(a, b):\n    result = a + b\n    print('adding', a, 'and', b, 'gives', result)\n    return result\n\n"
+    target, _ = demo_pair()
+    with Engine(target, None, ctx=1024, threads=2) as e:
+        toks = e.tokenize("Original:\n" + code + "Copy:\n")
+        base = e.session().generate(toks, GenerationSettings(n_predict=64), speculative=False).run()
+        g = e.session().generate(toks, GenerationSettings(n_predict=64, draft_max=8, drafter="ngram")).run()
+    assert g.tokens == base.tokens and len(set(base.tokens)) > 10
+    assert g.stats.n_drafted >= 24 and g.stats.accept_rate >= 0.9
