@@ -1,7 +1,7 @@
 """Does bench's cost model explain the measurement? Measured vs predicted vs ideal speed-up on three pairs.
 
-For each pair, one `specq bench` sweep (baseline and draft-max 2, 4, 8, auto, alternating, `--repeat` times)
-through bench's own loop; per point: the measured speed-up (median tokens/s ÷ median baseline tokens/s), the
+For each pair, one `specq bench` sweep (baseline and draft-max 2, 4, 8, auto, alternating, `--repeat` times,
+the built-in `code` and `summary` prompts as chat turns) through bench's own loop; per point: the measured speed-up (median tokens/s ÷ median baseline tokens/s), the
 predicted one (native/cost.py: the adaptive controller's model on the run's measured per-position acceptance,
 draft costs, verify cost by batch size and overhead) and the ideal one (a verify as cheap as one token).
 
@@ -23,11 +23,12 @@ from pathlib import Path
 
 from adaptive import first_layers, machine
 from deep_pair import deep_pair
-from specq.native.bench import DEFAULT_PROMPT, BenchConfig, run_bench
+from specq.native.bench import BenchConfig, load_prompt_set, run_bench
 from specq.native.demo import cache_dir, demo_pair
 from specq.native.engine import GenerationSettings
 
 POINTS = (2, 4, 8, "auto")
+PROMPTS = ("code", "summary")  # from the built-in set, as chat turns: answers that run past --n-predict
 
 
 def pairs() -> dict:
@@ -40,14 +41,17 @@ def pairs() -> dict:
 
 
 def run_pair(name: str, target: Path, draft: Path, n_predict: int, repeat: int, threads: int | None) -> dict:
-    cfg = BenchConfig(target=str(target), draft=str(draft), prompts=(DEFAULT_PROMPT,), prompt_names=("fib",),
+    names, texts = load_prompt_set("default")
+    chosen = [i for i, n in enumerate(names) if n in PROMPTS]
+    cfg = BenchConfig(target=str(target), draft=str(draft), prompts=tuple(texts[i] for i in chosen),
+                      prompt_names=tuple(names[i] for i in chosen), chat=True,
                       settings=GenerationSettings(n_predict=n_predict), threads=threads, repeat=repeat,
                       sweep=tuple((k, 0.0) for k in POINTS))
 
     def progress(run: dict) -> None:
         label = "baseline" if run["mode"] == "baseline" else str(run["draft_max"])
-        print(f"{name:8s} rep {run['repeat']} {label:8s} {run['tokens_per_s']:6.1f} tok/s", file=sys.stderr,
-              flush=True)
+        print(f"{name:8s} rep {run['repeat']} {run['prompt_name']:8s} {label:8s} {run['tokens_per_s']:6.1f} tok/s "
+              f"({run['n_generated']} tokens)", file=sys.stderr, flush=True)
 
     doc = run_bench(cfg, on_run=progress)
     for role in ("target", "draft"):  # file names only: no path of this machine in the committed JSON
