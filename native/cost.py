@@ -6,7 +6,8 @@ acceptance at position i, measured) and takes T(k) = t_first + (k−1)·t_next +
 token with its catch-up, each further drafted token, the verify pass of k+1 tokens by batch size, the
 per-step overhead; all measured). Over the run's own mix of draft lengths H(k):
     predicted tokens/s = Σ H(k)·E(k) / Σ H(k)·T(k)
-and the ideal (a verify pass as cheap as one target token, the baseline's ms per token b):
+and the ideal (a verify pass as cheap as one target token: b, the baseline's ms per token, or this run's own
+plain steps' if cheaper):
     ideal tokens/s = Σ H(k)·E(k) / Σ H(k)·(t_first·[k>0] + (k−1)·t_next + b).
 """
 
@@ -76,10 +77,15 @@ class StepCosts:
         return tokens / (ms / 1000.0) if ms > 0 else None
 
     def ideal_tokens_per_s(self, baseline_ms_per_token: float | None) -> float | None:
+        """Tokens/s with every verify (and its overhead) as cheap as one target token: the cheaper of the
+        baseline's ms per token and this run's own plain steps (where it took any)."""
         if not self.n_steps or not baseline_ms_per_token:
             return None
+        one = baseline_ms_per_token
+        if 1 in self.verify_ms_by_size:
+            one = min(one, self.verify_ms(1) + self.overhead_ms / self.n_steps)
         tokens = sum(n * self.expected_tokens(k) for k, n in self.steps_by_k.items())
-        ms = sum(n * self.step_ms(k, baseline_ms_per_token) for k, n in self.steps_by_k.items())
+        ms = sum(n * self.step_ms(k, one) for k, n in self.steps_by_k.items())
         return tokens / (ms / 1000.0)
 
 
