@@ -96,7 +96,9 @@ def run_pair(name: str, target: Path, draft: Path, sweep: list, n_predict: int, 
     best = max(fixed, key=lambda m: med[m])
     cost = next(pt["summary"]["cost_ratio"] for pt in doc["sweep"] if str(pt["draft_max"]) == best)
     auto_runs = [r for r in doc["runs"] if mode_of(r) == "auto"]
-    return {"pair": name, "target": str(target), "draft": str(draft), "cost_ratio_at_best_fixed": cost,
+    for role in ("target", "draft"):  # file names only: no path of this machine in the committed JSON
+        doc[role]["path"] = Path(doc[role]["path"]).name
+    return {"pair": name, "target": Path(target).name, "draft": Path(draft).name, "cost_ratio_at_best_fixed": cost,
             "tokens_per_s_per_repeat": per_repeat, "median_tokens_per_s": med,
             "auto_vs_plain": med["auto"] / med["baseline"], "best_fixed": best,
             "auto_vs_best_fixed": med["auto"] / med[best],
