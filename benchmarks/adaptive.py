@@ -56,6 +56,13 @@ def first_layers(src: Path, dst: Path, n: int) -> Path:
     return dst
 
 
+def file_names_only(doc: dict) -> None:
+    """A bench document's model paths as file names: no path of this machine in the committed JSON."""
+    for role in ("target", "draft"):
+        if doc.get(role):
+            doc[role]["path"] = Path(doc[role]["path"]).name
+
+
 def machine() -> dict:
     model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     return {"cpu": model, "logical_cpus": __import__("os").cpu_count(), "python": platform.python_version(),
@@ -96,8 +103,7 @@ def run_pair(name: str, target: Path, draft: Path, sweep: list, n_predict: int, 
     best = max(fixed, key=lambda m: med[m])
     cost = next(pt["summary"]["cost_ratio"] for pt in doc["sweep"] if str(pt["draft_max"]) == best)
     auto_runs = [r for r in doc["runs"] if mode_of(r) == "auto"]
-    for role in ("target", "draft"):  # file names only: no path of this machine in the committed JSON
-        doc[role]["path"] = Path(doc[role]["path"]).name
+    file_names_only(doc)
     return {"pair": name, "target": Path(target).name, "draft": Path(draft).name, "cost_ratio_at_best_fixed": cost,
             "tokens_per_s_per_repeat": per_repeat, "median_tokens_per_s": med,
             "auto_vs_plain": med["auto"] / med["baseline"], "best_fixed": best,

@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from adaptive import first_layers, machine
+from adaptive import file_names_only, first_layers, machine
 from deep_pair import deep_pair
 from specq.native.bench import BenchConfig, load_prompt_set, run_bench
 from specq.native.demo import cache_dir, demo_pair
@@ -54,8 +54,7 @@ def run_pair(name: str, target: Path, draft: Path, n_predict: int, repeat: int, 
               f"({run['n_generated']} tokens)", file=sys.stderr, flush=True)
 
     doc = run_bench(cfg, on_run=progress)
-    for role in ("target", "draft"):  # file names only: no path of this machine in the committed JSON
-        doc[role]["path"] = Path(doc[role]["path"]).name
+    file_names_only(doc)
     rows = []
     for pt in doc["sweep"]:
         s = pt["summary"]

@@ -65,9 +65,9 @@ MUTANTS = [
             ("native/engine.py", "samp.sample_s += clock() - ts\n                if stop:",
              "samp.sample_s += clock() - ts\n                if stop or tok >= n_vocab_tgt:"))),
     Mutant("count-unemitted", "n_drafted/n_accepted count draft tokens past an EOG or n_predict cut (defect 4)",
-           (("native/engine.py", "p.n_drafted += min(step.n_drafted, len(events))", "p.n_drafted += step.n_drafted"),
-            ("native/engine.py", "p.accepted.append(min(len(step.emitted) - 1, len(events)))",
-             "p.accepted.append(len(step.emitted) - 1)"))),
+           (("native/engine.py",
+             "drafted, accepted = min(step.n_drafted, len(events)), min(len(step.emitted) - 1, len(events))",
+             "drafted, accepted = step.n_drafted, len(step.emitted) - 1"),)),
 ]
 
 

@@ -191,6 +191,13 @@ def models_or_demo(target: Path | None, draft: Path | None) -> tuple:
     return demo_pair()
 
 
+def draft_for_drafters(settings: GenerationSettings, draft: Path | None) -> Path | None:
+    """The draft model to load for --drafter: none for n-gram lookup alone; a comma list with `model` needs one."""
+    if "model" in settings.drafters and draft is None and settings.drafter != "model":
+        raise UsageError(f"--drafter {settings.drafter} needs a --draft model; use --drafter ngram without one")
+    return None if settings.drafters == ("ngram",) else draft
+
+
 def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_min, temp, top_k, top_p, min_p, seed,
                         accept, drafter="model", ngram_min=3, ngram_max=6) -> GenerationSettings:
     """The generation settings from the flags, with a pair manifest's suggestions where a flag was not given."""

@@ -22,10 +22,10 @@ from ..native.engine import GenerationSettings
 from ..native.placement import resolve_placement
 from .checks import check_output_path, pair_warning
 from ._common import (AcceptOpt, CpuAmxOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
-                      DraftMinOpt, DraftOpt, err, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
-                      NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, parse_draft_max, PMinOpt, Quiet, resolve_pair,
-                      SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt, TensorSplitOpt,
-                      ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
+                      draft_for_drafters, DraftMinOpt, DraftOpt, err, handle_errors, MainGpuOpt, MinPOpt,
+                      models_or_demo, NglDraftOpt, NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, parse_draft_max, PMinOpt,
+                      Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
+                      TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
 
 
 def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[str, ...]:
@@ -291,10 +291,7 @@ def main(
         raise UsageError("--no-baseline needs a --draft (or --drafter ngram): there would be nothing to run")
     if sweep and not drafts:
         raise UsageError("a sweep needs a --draft (or --drafter ngram): there is nothing to sweep without one")
-    if "model" in settings.drafters and draft is None and settings.drafter != "model":
-        raise UsageError(f"--drafter {settings.drafter} needs a --draft model; use --drafter ngram without one")
-    if settings.drafters == ("ngram",):
-        draft = None  # n-gram lookup alone: no draft model to load
+    draft = draft_for_drafters(settings, draft)
     placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
                                   device=device, draft_device=draft_device, cpu_amx=cpu_amx)

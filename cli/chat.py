@@ -20,10 +20,10 @@ from ..native.chat import HELP, AnswerProgress, ChatSession, Command, Conversati
     open_chat, panel_data, parse_command
 from ..native.placement import resolve_placement
 from ._common import (AcceptOpt, CpuAmxOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
-                      DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt,
-                      NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, SeedOpt, settings_from_flags,
-                      setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt,
-                      Verbose, VramBudgetOpt, warn)
+                      draft_for_drafters, DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
+                      NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, SeedOpt,
+                      settings_from_flags, setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt,
+                      ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
 from .checks import pair_warning, user_path
 from .chat_view import StreamBuffer, build_panel, stats_table
 
@@ -278,10 +278,7 @@ def main(
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1 ({threads})")
     target, draft = models_or_demo(target, draft)
-    if "model" in settings.drafters and draft is None and settings.drafter != "model":
-        raise UsageError(f"--drafter {settings.drafter} needs a --draft model; use --drafter ngram without one")
-    if settings.drafters == ("ngram",):
-        draft = None  # n-gram lookup alone: no draft model to load
+    draft = draft_for_drafters(settings, draft)
     warn(pair_warning(target, draft), quiet)
     placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,

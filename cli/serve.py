@@ -12,8 +12,8 @@ import typer
 
 from ..errors import UsageError
 from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
-                      DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt,
-                      NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, settings_from_flags,
+                      draft_for_drafters, DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
+                      NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, settings_from_flags,
                       setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt,
                       Verbose, VramBudgetOpt)
 
@@ -109,10 +109,7 @@ def main(
     cfg = ServeConfig(host=host, port=port, api_key=api_key or None, max_queue=max_queue,
                       max_body=_parse_size_flag("--max-body", max_body), max_tokens=max_tokens, seed=seed).validate()
     target, draft = models_or_demo(target, draft)
-    if "model" in defaults.drafters and draft is None and defaults.drafter != "model":
-        raise UsageError(f"--drafter {defaults.drafter} needs a --draft model; use --drafter ngram without one")
-    if defaults.drafters == ("ngram",):
-        draft = None  # n-gram lookup alone: no draft model to load
+    draft = draft_for_drafters(defaults, draft)
     warning = _exposure_warning(host, cfg.api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)

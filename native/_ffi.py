@@ -166,14 +166,14 @@ class Model(_Handle):
         self._pieces: dict[int, bytes] = {}
 
     def _set_repack_overrides(self, params) -> None:
-        from .cpu import repack_patterns
+        from .cpu import repack_patterns, system_info_flag
         from .gguf_header import read_header
 
         repack = cpu_extra_buffer_types().get("CPU_REPACK")
         if not repack:
             return
         tensors = [(t.name, t.shape, t.ggml_type) for t in read_header(self.path).tensors]
-        patterns = repack_patterns(tensors, avx2="AVX2 = 1" in system_info())
+        patterns = repack_patterns(tensors, avx2=system_info_flag(system_info(), "AVX2"))
         arr = (_BuftOverride * (len(patterns) + 1))()
         for i, pat in enumerate(patterns):
             arr[i].pattern, arr[i].buft = pat.encode(), repack

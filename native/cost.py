@@ -28,8 +28,6 @@ class StepCosts:
     n_draft_next: int  # how many such tokens
     verify_ms_by_size: dict[int, tuple[int, float]]  # batch size → (passes, total ms)
     overhead_ms: float  # generation time outside drafting and verifying
-    n_generated: int
-    gen_ms: float
 
     @property
     def n_steps(self) -> int:
@@ -113,5 +111,4 @@ def pool(rows: list[dict]) -> StepCosts | None:
         draft_ms=sum(r["draft_ms"] for r in rows), draft_next_ms=sum(r["draft_next_ms"] for r in rows),
         n_draft_next=sum(r["n_draft_next"] for r in rows),
         verify_ms_by_size={b: (n, ms) for b, (n, ms) in verify.items()},
-        overhead_ms=sum(r["gen_ms"] - r["draft_ms"] - r["verify_ms"] for r in rows),
-        n_generated=sum(r["n_generated"] for r in rows), gen_ms=sum(r["gen_ms"] for r in rows))
+        overhead_ms=sum(r["gen_ms"] - r["draft_ms"] - r["verify_ms"] for r in rows))

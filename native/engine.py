@@ -710,10 +710,11 @@ class Generation:
                 if step.n_drafted:
                     # Only positions the output reached count: an EOG or n_predict may end the generation inside a
                     # step, and the draft tokens past it were neither emitted nor part of the answer.
-                    p.n_drafted += min(step.n_drafted, len(events))
-                    p.accepted.append(min(len(step.emitted) - 1, len(events)))
-                    p.drafted_by[step.drafter] = p.drafted_by.get(step.drafter, 0) + min(step.n_drafted, len(events))
-                    p.accepted_by[step.drafter] = p.accepted_by.get(step.drafter, 0) + p.accepted[-1]
+                    drafted, accepted = min(step.n_drafted, len(events)), min(len(step.emitted) - 1, len(events))
+                    p.n_drafted += drafted
+                    p.accepted.append(accepted)
+                    p.drafted_by[step.drafter] = p.drafted_by.get(step.drafter, 0) + drafted
+                    p.accepted_by[step.drafter] = p.accepted_by.get(step.drafter, 0) + accepted
                 if self.speculative:
                     p.record_costs(step, len(events))
                 ses._rewind()

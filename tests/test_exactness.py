@@ -163,19 +163,26 @@ def target_law(path, tokens: list[int], depth: int, top_k: int = 0) -> dict:
     return law
 
 
+def sampled_law(e, toks: list[int], n: int, depth: int, **settings) -> tuple[dict, list]:
+    """Counts of the first `depth` generated tokens (as tuples, like target_law's keys) over n generations with
+    seeds 0..n-1 on one session, and each generation's stats."""
+    ses, counts, stats = e.session(), {}, []
+    for seed in range(n):
+        ses.reset()
+        g = ses.generate(toks, GenerationSettings(seed=seed, **settings)).run()
+        key = tuple(g.tokens[:depth])
+        counts[key] = counts.get(key, 0) + 1
+        stats.append(g.stats)
+    return counts, stats
+
+
 def test_a_wider_draft_vocabulary_keeps_the_first_token_law_exact(tiny_target, wide_draft):
     with Engine(tiny_target, wide_draft, ctx=128, threads=1) as e:
         assert e.draft.n_vocab == e.target.n_vocab + 24
         toks = e.tokenize(PROMPT)
-        law = {k[0]: v for k, v in target_law(tiny_target, toks, 1).items()}
-        ses = e.session()
-        counts: dict = {}
-        drafted = 0
-        for seed in range(3000):
-            ses.reset()
-            g = ses.generate(toks, GenerationSettings(n_predict=2, draft_max=1, seed=seed, **KW1)).run()
-            counts[g.tokens[0]] = counts.get(g.tokens[0], 0) + 1
-            drafted += g.stats.n_drafted
+        law = target_law(tiny_target, toks, 1)
+        counts, stats = sampled_law(e, toks, 3000, 1, n_predict=2, draft_max=1, **KW1)
+        drafted = sum(st.n_drafted for st in stats)
     assert drafted > 2000  # the draft proposed tokens (from the ids the target has)
     assert chi2_pvalue(counts, law) > 0.001
 
@@ -186,15 +193,8 @@ def test_joint_law_of_three_tokens_with_two_drafted_is_the_targets(tiny_target, 
     with Engine(tiny_target, tiny_close, ctx=128, threads=1) as e:
         toks = e.tokenize(PROMPT)
         law = target_law(tiny_target, toks, 3, top_k=4)
-        ses = e.session()
-        counts: dict = {}
-        all_accepted = 0
-        for seed in range(4000):
-            ses.reset()
-            g = ses.generate(toks, GenerationSettings(n_predict=3, draft_max=2, seed=seed, **kw)).run()
-            key = tuple(g.tokens)
-            counts[key] = counts.get(key, 0) + 1
-            all_accepted += g.stats.accepted_per_pos[1] > 0  # both drafts accepted: the third token is the bonus
+        counts, stats = sampled_law(e, toks, 4000, 3, n_predict=3, draft_max=2, **kw)
+        all_accepted = sum(st.accepted_per_pos[1] > 0 for st in stats)  # both drafts accepted: a bonus 3rd token
     assert len(law) == 64
     assert all_accepted > 300
     assert chi2_pvalue(counts, law) > 0.001

@@ -13,7 +13,7 @@ from specq.errors import UsageError
 from specq.native.engine import Engine, GenerationSettings
 from specq.native.ngram import parse_drafter, propose
 from stats import chi2_pvalue
-from test_exactness import target_law
+from test_exactness import sampled_law, target_law
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "for i in range(10): print(i * i)"]
 
@@ -73,17 +73,11 @@ def test_a_point_mass_proposal_keeps_the_first_token_law_exact(tiny_target):
     with Engine(tiny_target, None, ctx=128, threads=1) as e:
         toks, x = point_mass_context(tiny_target, e.tokenize("The quick brown fox"))
         assert propose(toks, 3, 6, 1) == [x]
-        law = {k[0]: v for k, v in target_law(tiny_target, toks, 1).items()}
-        ses = e.session()
-        counts: dict = {}
-        accepted = 0
-        for seed in range(3000):
-            ses.reset()
-            g = ses.generate(toks, GenerationSettings(n_predict=2, draft_max=1, seed=seed, temp=1.0, top_k=0,
-                                                      top_p=1.0, min_p=0.0, drafter="ngram")).run()
-            assert g.stats.n_drafted_by == (("ngram", 1),)
-            counts[g.tokens[0]] = counts.get(g.tokens[0], 0) + 1
-            accepted += g.stats.n_accepted
+        law = target_law(tiny_target, toks, 1)
+        counts, stats = sampled_law(e, toks, 3000, 1, n_predict=2, draft_max=1, temp=1.0, top_k=0, top_p=1.0,
+                                    min_p=0.0, drafter="ngram")
+        assert all(st.n_drafted_by == (("ngram", 1),) for st in stats)
+        accepted = sum(st.n_accepted for st in stats)
     assert 300 < accepted < 2700
     assert chi2_pvalue(counts, law) > 0.001
 
