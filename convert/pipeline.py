@@ -13,7 +13,7 @@ import gguf
 from ..errors import ConversionError, UsageError
 from . import align, manifest
 from .arch import write_hparams
-from .plan import Checkpoint, build_jobs, estimate_bytes, inspect, n_weights
+from .tensor_jobs import Checkpoint, build_jobs, estimate_bytes, inspect, n_weights
 from .quantize import BITS_PER_WEIGHT, parse_quant, quantize_file
 from .source import resolve
 from .verify import verify_output

@@ -1,4 +1,4 @@
-"""One checkpoint -> the list of output tensors (names, types, shapes and row transforms) for the writer."""
+"""One checkpoint -> the tensor jobs (names, types, shapes and row transforms) the GGUF writer carries out."""
 
 from __future__ import annotations
 
