@@ -117,6 +117,9 @@ DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="ggml devices
                                                                    "(see `specq doctor`).")]
 CpuAmxOpt = Annotated[bool, typer.Option("--cpu-amx", help="Let llama.cpp use its AMX weight buffer on Intel CPUs "
                                                           "with AMX (off by default: it crashes, llama.cpp#20824).")]
+FlashAttnOpt = Annotated[str, typer.Option("--flash-attn", help="Attention path: on, off or auto (off for a model "
+                                                               "on the CPU, where it decodes faster at long "
+                                                               "context; llama.cpp's choice on a GPU).")]
 DrafterOpt = Annotated[str, typer.Option("--drafter", help="Who proposes tokens: model (the draft model), ngram "
                                                           "(lookup in the text so far, no model) or model,ngram "
                                                           "(the n-gram's proposal where the text repeats, else the "

@@ -263,9 +263,10 @@ class SimulatedClock:
     """A deterministic clock: time moves only by a modelled cost per llama_decode, so that what the adaptive
     controller decides depends on the costs given, not on how busy the machine is (tests, replays).
 
-    `cost(name, n_tokens)` → seconds for one decode of n tokens by the "target" or the "draft"."""
+    `cost(name, n_tokens, pos0)` → seconds for one decode of n tokens at positions pos0.. by the "target" or
+    the "draft"."""
 
-    def __init__(self, cost: Callable[[str, int], float]):
+    def __init__(self, cost: Callable[[str, int, int], float]):
         self.cost = cost
         self.now = 0.0
         self.n_decodes = 0
@@ -273,8 +274,8 @@ class SimulatedClock:
     def __call__(self) -> float:
         return self.now
 
-    def on_decode(self, name: str, n_tokens: int) -> None:
-        self.now += self.cost(name, n_tokens)
+    def on_decode(self, name: str, n_tokens: int, pos0: int) -> None:
+        self.now += self.cost(name, n_tokens, pos0)
         self.n_decodes += 1
 
 
@@ -296,13 +297,15 @@ class Engine:
                  draft_tensor_split: list[float] | None = None, devices: list[str] | None = None,
                  draft_devices: list[str] | None = None, draft_ctx: int | None = None,
                  draft_threads: int | None = None, draft_n_batch: int | None = None, cpu_amx: bool = False,
-                 clock: Callable[[], float] | None = None, rollback_tokens: int = AUTO_DRAFT_CAP):
+                 clock: Callable[[], float] | None = None, rollback_tokens: int = AUTO_DRAFT_CAP,
+                 flash_attn: str = "auto", draft_flash_attn: str | None = None):
         """Each model gets its own context size, batch size, threads and GPU layers (the draft's default to
         the target's); generation stops at the smaller context, since the draft holds the same tokens.
         `cpu_amx` lets llama.cpp use its AMX weight buffer, which crashes on some builds (native/cpu.py).
         `clock` times the steps (default time.perf_counter); a SimulatedClock makes timings deterministic.
         `rollback_tokens`: on a recurrent/hybrid target, how many rejected tokens a verify can roll back through
-        llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it."""
+        llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it.
+        `flash_attn`/`draft_flash_attn`: on, off or auto (llama.cpp's choice); placement.choose_flash_attn picks."""
         for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx, 16), ("--threads", threads, 1),
                                ("--threads-draft", draft_threads, 1)):
             if v is not None and v < least:
@@ -320,9 +323,11 @@ class Engine:
             # A verify batch [last, d1..dn] must be one decode with logits at every row: never split it.
             self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=max(n_batch, DRAFT_MAX_CAP + 1),
                                         n_outputs_max=DRAFT_MAX_CAP + 1, name="target",
-                                        n_rs_seq=rollback_tokens if self.target.is_recurrent_or_hybrid else 0)
+                                        n_rs_seq=rollback_tokens if self.target.is_recurrent_or_hybrid else 0,
+                                        flash_attn=flash_attn)
             self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,
-                                         n_batch=draft_n_batch or n_batch, n_outputs_max=1, name="draft")
+                                         n_batch=draft_n_batch or n_batch, n_outputs_max=1, name="draft",
+                                         flash_attn=draft_flash_attn or flash_attn)
                             if self.draft is not None else None)
         except BaseException:
             self.close()
@@ -434,7 +439,8 @@ class Session:
             eng = self.engine
             # an n-gram lookup costs next to nothing; a model about its share of the target's bytes
             ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1) if eng.draft is not None else 0.01
-            self._controllers[key] = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio)
+            self._controllers[key] = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio,
+                                                   attention_prior=eng.target.attention_per_context_token())
         return self._controllers[key]
 
     # ==== the speculative step ================================================================
@@ -536,8 +542,12 @@ class Session:
         self._rewind()
 
     # ==== generation ============================================================================
-    def prefill(self, new_tokens: list[int]) -> None:
-        """Append tokens to the history and evaluate all but the last on both models."""
+    def prefill(self, new_tokens: list[int], timed: Callable[[int, int], list[int]] | None = None) -> list[tuple]:
+        """Append tokens to the history and evaluate all but the last on both models.
+
+        `timed(first, last)`: positions among the new ones (first..last-1 may be evaluated) to decode alone and
+        time on each model: (position, target seconds, draft seconds or None) for each is returned, what one
+        token costs at that context. The tokens and positions decoded are the same either way."""
         if not new_tokens:
             raise UsageError("empty prompt; give some text to start from")
         total = len(self.history) + len(new_tokens)
@@ -548,9 +558,26 @@ class Session:
         self.history.extend(new_tokens)
         try:
             self._rewind()
-            self.tgt.extend(self.history[len(self.tgt.tokens):-1], logits="none")
-            if self.dft is not None:
-                self.dft.extend(self.history[len(self.dft.tokens):-1], logits="none")
+            hist, clock = self.history, self.engine.clock
+            last = len(hist) - 1
+            alone = sorted(set(p for p in (timed(len(self.tgt.tokens), last) if timed else ())
+                               if len(self.tgt.tokens) <= p < last))
+            out = []
+            for pos in alone + [last]:
+                self.tgt.extend(hist[len(self.tgt.tokens):pos], logits="none")
+                if self.dft is not None:
+                    self.dft.extend(hist[len(self.dft.tokens):pos], logits="none")
+                if pos == last:
+                    break
+                t0 = clock()
+                self.tgt.extend([hist[pos]], logits="last")
+                t1 = clock()
+                draft_s = None
+                if self.dft is not None and len(self.dft.tokens) == pos:
+                    self.dft.extend([hist[pos]], logits="last")
+                    draft_s = clock() - t1
+                out.append((pos, t1 - t0, draft_s))
+            return out
         except BaseException:
             del self.history[-len(new_tokens):]
             self._rewind()
@@ -657,13 +684,20 @@ class Generation:
     def __iter__(self) -> Iterator[TokenEvent]:
         ses, s, p = self.session, self.settings, self._p
         eng = ses.engine
-        tp0 = self._clock()
-        ses.prefill(self.new_tokens)
-        p.prompt_s = self._clock() - tp0
-
-        samp = self._samp = _Sampling(s, self.speculative)
         ctrl = ses.controller(s) if self.speculative and s.adaptive else None
         self.controller = ctrl
+        with_draft = ses.dft is not None and "model" in s.drafters
+        tp0 = self._clock()
+        # Where nothing was measured at this context yet, the prefill times single tokens on each model, so
+        # that the first step is priced at this context (at thousands of tokens attention changes the costs).
+        timed = ses.prefill(self.new_tokens,
+                            timed=(lambda first, last: ctrl.calibration_points(first, last, with_draft))
+                            if ctrl is not None else None)
+        p.prompt_s = self._clock() - tp0
+        for pos, target_s, draft_s in timed:
+            ctrl.calibrate(pos, target_s, draft_s)
+
+        samp = self._samp = _Sampling(s, self.speculative)
         if ctrl is not None:
             p.plain0, p.probes0 = ctrl.n_plain_steps, ctrl.n_probes
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
@@ -687,6 +721,7 @@ class Generation:
                         n_draft_max = min(n_draft_max, remaining - 1)
                     if ctrl is not None:
                         t_step = self._clock()
+                        ctrl.at(len(ses.history))
                         n_draft_max = ctrl.choose(n_draft_max)
                 step = ses._step(s, samp, max(n_draft_max, 0))
                 p.n_steps += 1
