@@ -254,10 +254,10 @@ def test_an_unexpected_exception_is_one_line_and_v_shows_the_traceback(monkeypat
 
 def test_convert_loads_what_it_wrote_before_reporting_success(files, tmp_path, monkeypatch):
     """With the checkpoint check off, the written file is still refused (and removed) by the load check."""
-    from specq.convert import pipeline, plan
+    from specq.convert import pipeline, tensor_jobs
     from specq.errors import ConversionError
 
-    monkeypatch.setattr(plan, "check_shapes", lambda *a: None)
+    monkeypatch.setattr(tensor_jobs, "check_shapes", lambda *a: None)
     with pytest.raises(ConversionError, match="the converted file does not load .*blk.0.ffn_up.weight is missing"):
         pipeline.convert_pair(files["ck_missing"], tmp_path / "pair", quant=None)
     assert list((tmp_path / "pair").iterdir()) == []
