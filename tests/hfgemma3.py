@@ -62,6 +62,7 @@ class GemmaSpec:
     multimodal: bool = False  # Gemma3ForConditionalGeneration layout: text_config, prefixed names, a vision tower
     new_layout: bool = False  # transformers 5: model.language_model.*, rope_parameters per layer type
     extra_rows: int = 0
+    embed_scale: float = 0.5  # 0.1: the layers, not the (tied) input token, decide the output; greedy text varies
     seed: int = 0
     dtype: str = "BF16"
     rms_eps: float = 1e-6
@@ -90,7 +91,7 @@ def make_weights(spec: GemmaSpec, n_rows: int) -> dict[str, np.ndarray]:
         return (0.3 * rng.standard_normal(n)).astype(np.float32)
 
     p0 = text_prefix(spec)
-    w = {p0 + "embed_tokens.weight": mat(n_rows, d, 0.5), p0 + "norm.weight": norm(d)}
+    w = {p0 + "embed_tokens.weight": mat(n_rows, d, spec.embed_scale), p0 + "norm.weight": norm(d)}
     for i in range(spec.n_layer):
         p = f"{p0}layers.{i}."
         w[p + "input_layernorm.weight"] = norm(d)
