@@ -62,6 +62,7 @@ class GemmaSpec:
     multimodal: bool = False  # Gemma3ForConditionalGeneration layout: text_config, prefixed names, a vision tower
     new_layout: bool = False  # transformers 5: model.language_model.*, rope_parameters per layer type
     extra_rows: int = 0
+    image_token: bool = False  # <image_soft_token> just past the pieces, as Gemma 3 lists it (in rows only if extra_rows)
     embed_scale: float = 0.5  # 0.1: the layers, not the (tied) input token, decide the output; greedy text varies
     seed: int = 0
     dtype: str = "BF16"
@@ -129,6 +130,11 @@ def write_gemma3_checkpoint(d: Path, spec: GemmaSpec, proto: bytes) -> Path:
         i = sp.piece_to_id(text)
         added[str(i)] = {"content": text, "lstrip": False, "normalized": False, "rstrip": False,
                          "single_word": False, "special": text in SPECIAL_ADDED}
+    if spec.image_token:
+        i = sp.vocab_size()
+        (d / "added_tokens.json").write_text(json.dumps({"<image_soft_token>": i}), encoding="utf-8")
+        added[str(i)] = {"content": "<image_soft_token>", "lstrip": False, "normalized": False, "rstrip": False,
+                         "single_word": False, "special": True}
     tcfg = {"tokenizer_class": "GemmaTokenizer", "add_bos_token": True, "add_eos_token": False,
             "added_tokens_decoder": added, "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
             "unk_token": "<unk>", "chat_template": GEMMA_TEMPLATE, "model_max_length": 4096,

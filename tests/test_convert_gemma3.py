@@ -22,7 +22,7 @@ from specq.native import _ffi
 
 CASES = {
     "causal": GemmaSpec(),
-    "multimodal": GemmaSpec(multimodal=True, seed=1),
+    "multimodal": GemmaSpec(multimodal=True, image_token=True, extra_rows=4, seed=1),
     "multimodal-v5-softcap": GemmaSpec(multimodal=True, new_layout=True, softcap=30.0, seed=2),
     "two-layers-unscaled": GemmaSpec(n_layer=2, layer_types=("sliding_attention", "full_attention"),
                                      rope_factor=None, seed=3),
@@ -69,7 +69,8 @@ def test_metadata_and_tensors(tmp_path, proto, case):
     src = write_gemma3_checkpoint(tmp_path / "hf", spec, proto)
     res = convert_pair(str(src), tmp_path / "out", quant=None)  # BF16 source -> BF16 file
     f = fields(res.target_path)
-    n_rows = spm.SentencePieceProcessor(model_proto=proto).vocab_size()
+    n_pieces = spm.SentencePieceProcessor(model_proto=proto).vocab_size()
+    n_rows = n_pieces + spec.extra_rows
     want = {"general.architecture": "gemma3", "gemma3.context_length": 4096, "gemma3.embedding_length": 64,
             "gemma3.block_count": spec.n_layer, "gemma3.feed_forward_length": 128,
             "gemma3.attention.head_count": 4, "gemma3.attention.head_count_kv": 2,
@@ -87,6 +88,13 @@ def test_metadata_and_tensors(tmp_path, proto, case):
         assert "gemma3.attention.sliding_window_pattern" not in f
     else:
         assert f["gemma3.attention.sliding_window_pattern"] == [t == "sliding_attention" for t in spec.layer_types]
+    tokens, types = f["tokenizer.ggml.tokens"], f["tokenizer.ggml.token_type"]
+    assert len(tokens) == n_rows
+    if spec.image_token:  # added_tokens.json's id past the pieces, special in tokenizer_config
+        assert tokens[n_pieces] == "<image_soft_token>" and types[n_pieces] == gguf.TokenType.CONTROL
+    pad = n_pieces + spec.image_token
+    assert tokens[pad:] == [f"[PAD{i}]" for i in range(pad, n_rows)]
+    assert types[pad:] == [gguf.TokenType.UNUSED] * (n_rows - pad)
     assert f.get("gemma3.final_logit_softcapping") == (pytest.approx(spec.softcap) if spec.softcap else None)
 
     hf = read_safetensors(src / "model.safetensors")
@@ -163,10 +171,15 @@ def test_vocabulary_and_token_ids_match_sentencepiece(tmp_path, proto):
 
 def test_pair_speculates_with_the_targets_output(tmp_path, proto):
     """The converted pair (7-layer target, 2-layer draft, one tokenizer) through `specq bench`."""
-    tgt = write_gemma3_checkpoint(tmp_path / "t", GemmaSpec(multimodal=True, extra_rows=8, embed_scale=0.1, seed=10),
-                                  proto)
-    dft = write_gemma3_checkpoint(tmp_path / "d", replace(CASES["two-layers-unscaled"], embed_scale=0.1), proto)
+    # as Gemma-3-27B and its 1B/270M drafts: the target has rows for <image_soft_token>, the draft ends before it
+    tgt = write_gemma3_checkpoint(tmp_path / "t", GemmaSpec(multimodal=True, image_token=True, extra_rows=8,
+                                                             embed_scale=0.1, seed=10), proto)
+    dft = write_gemma3_checkpoint(tmp_path / "d", replace(CASES["two-layers-unscaled"], image_token=True,
+                                                          embed_scale=0.1), proto)
     res = convert_pair(str(tgt), tmp_path / "pair", draft=str(dft), quant="Q8_0", draft_quant="Q8_0")
+    with _ffi.Model(res.target_path, vocab_only=True) as t, _ffi.Model(res.draft_path, vocab_only=True) as d:
+        n_pieces = spm.SentencePieceProcessor(model_proto=proto).vocab_size()
+        assert d.n_vocab == t.n_vocab == n_pieces + 8
     out = tmp_path / "bench.json"
     r = CliRunner().invoke(app, ["bench", "--target", str(res.target_path), "--draft", str(res.draft_path),
                                  "--prompt", "The quick brown fox jumps over the lazy dog.", "--prompt",
