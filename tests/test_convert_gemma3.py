@@ -17,7 +17,7 @@ from hfgemma3 import USER_SYMBOLS, GemmaSpec, reference_logits, text_prefix, tra
 from hfmodels import read_safetensors, to_bf16_bits
 from specq.cli.main import app
 from specq.convert.pipeline import convert_pair
-from specq.errors import ConversionError
+from specq.errors import ConversionError, IncompatibleDraftError
 from specq.native import _ffi
 
 CASES = {
@@ -225,3 +225,27 @@ def test_unsupported_architecture_lists_gemma3(tmp_path, proto):
     with pytest.raises(ConversionError, match="unsupported architecture Gemma3nForCausalLM") as e:
         convert_pair(str(src), tmp_path / "out", quant=None)
     assert "Gemma3ForCausalLM" in str(e.value) and "Gemma3ForConditionalGeneration" in str(e.value)
+
+
+@pytest.mark.parametrize("extra_type, allowed", [(gguf.TokenType.CONTROL, True), (gguf.TokenType.USER_DEFINED, True),
+                                                 (gguf.TokenType.NORMAL, False)])
+def test_target_may_only_add_added_tokens_past_the_drafts_end(extra_type, allowed):
+    from specq.convert.align import check_same_vocabulary
+    from specq.convert.vocab import Vocab
+
+    def vocab(tokens, types):
+        n = len(tokens)
+        return Vocab(tokens + ["[PAD9]"], types + [gguf.TokenType.UNUSED], n, "default", None, "x", model="llama",
+                     scores=[0.0] * n + [-1000.0])
+
+    pieces = ["<pad>", "a", "b", "ab"]
+    normal = [gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * 3
+    target = vocab(pieces + ["<image_soft_token>"], normal + [extra_type])
+    draft = vocab(pieces, normal)
+    if allowed:
+        check_same_vocabulary(target, draft)
+    else:
+        with pytest.raises(IncompatibleDraftError, match="differs from the target's at token 4"):
+            check_same_vocabulary(target, draft)
+    with pytest.raises(IncompatibleDraftError, match="at token 4"):  # never the other way round
+        check_same_vocabulary(draft, target)
