@@ -162,6 +162,7 @@ def load_spm(path: Path, n_rows: int, where: str) -> SpmVocab:
     types = [int(gguf.TokenType.UNUSED)] * n_rows
     tokens[:len(m.pieces)], scores[:len(m.pieces)], types[:len(m.pieces)] = m.pieces, m.scores, m.types
     n_real = len(m.pieces)
+    left_out: set[int] = set()
 
     def add(i: int, text: str, kind: int) -> None:
         nonlocal n_real
@@ -169,7 +170,10 @@ def load_spm(path: Path, n_rows: int, where: str) -> SpmVocab:
             raise ConversionError(f"added token {text!r} has id {i} ({where}); the tokenizer files are corrupt")
         if i >= n_rows:
             # as llama.cpp's converter: Gemma-3-1B lists <image_soft_token> past its 262144 rows
-            log.warning("added token %r has id %d, beyond the %d embedding rows (%s): left out", text, i, n_rows, where)
+            if i not in left_out:
+                log.warning("added token %r has id %d, beyond the %d embedding rows (%s): left out", text, i, n_rows,
+                            where)
+            left_out.add(i)
             return
         tokens[i], scores[i], types[i] = text, ADDED_SCORE, kind
         n_real = max(n_real, i + 1)

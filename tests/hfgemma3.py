@@ -31,7 +31,7 @@ GEMMA_CORPUS = SPM_CORPUS + (
 
 
 def train_gemma_spm(vocab_size: int = 600) -> bytes:
-    """A tiny tokenizer.model trained as Gemma's: BPE, byte fallback, split digits, no dummy prefix, no normalization."""
+    """A tiny tokenizer.model trained as Gemma's: BPE, byte fallback, split digits, no dummy prefix, identity."""
     import sentencepiece as spm
 
     buf = io.BytesIO()
@@ -62,7 +62,7 @@ class GemmaSpec:
     multimodal: bool = False  # Gemma3ForConditionalGeneration layout: text_config, prefixed names, a vision tower
     new_layout: bool = False  # transformers 5: model.language_model.*, rope_parameters per layer type
     extra_rows: int = 0
-    image_token: bool = False  # <image_soft_token> just past the pieces, as Gemma 3 lists it (in rows only if extra_rows)
+    image_token: bool = False  # <image_soft_token> past the pieces, as Gemma 3 lists it (a row only with extra_rows)
     embed_scale: float = 0.5  # 0.1: the layers, not the (tied) input token, decide the output; greedy text varies
     seed: int = 0
     dtype: str = "BF16"

@@ -249,3 +249,28 @@ def test_target_may_only_add_added_tokens_past_the_drafts_end(extra_type, allowe
             check_same_vocabulary(target, draft)
     with pytest.raises(IncompatibleDraftError, match="at token 4"):  # never the other way round
         check_same_vocabulary(draft, target)
+
+
+def test_27b_config_reads_with_transformers_defaults(tmp_path):
+    """google/gemma-3-27b-it's config.json lists only what differs from Gemma3TextConfig's defaults."""
+    from specq.convert.arch import read_config
+
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+           "image_token_index": 262144, "mm_tokens_per_image": 256, "torch_dtype": "bfloat16",
+           "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+                           "model_type": "gemma3_text", "num_attention_heads": 32, "num_hidden_layers": 62,
+                           "num_key_value_heads": 16, "query_pre_attn_scalar": 168,
+                           "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model", "patch_size": 14}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    s = read_config(tmp_path, "27b")
+    assert (s.n_layer, s.n_embd, s.n_head, s.n_head_kv, s.head_dim, s.n_ff) == (62, 5376, 32, 16, 128, 21504)
+    assert (s.n_ctx, s.vocab_size, s.tied, s.rms_eps, s.rope_theta) == (131072, 262208, True, 1e-6, 1e6)
+    g = s.gemma
+    assert (g.sliding_window, g.rope_theta_swa, g.rope_scale_factor) == (1024, 1e4, 8.0)
+    assert g.final_logit_softcapping is None
+    assert g.default_pattern and sum(not x for x in g.swa_layers) == 10  # layers 5, 11, ..., 59 are global
+    cfg["text_config"]["num_hidden_layers"] = 48  # the same attention scale at another depth: not what llama.cpp does
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConversionError, match="scales attention by 1/sqrt"):
+        read_config(tmp_path, "48")
