@@ -101,7 +101,10 @@ AcceptOpt = Annotated[str, typer.Option("--accept", help="Verification at temp >
                                                          "(= rejection). Temp 0 is greedy either way.")]
 CtxOpt = Annotated[int, typer.Option("--ctx", help="Context size (tokens) for both models.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: physical cores).")]
-CtxDraftOpt = Annotated[Optional[int], typer.Option("--ctx-draft", help="The draft's context size (default: --ctx).")]
+CtxDraftOpt = Annotated[Optional[int], typer.Option("--ctx-draft", help="The draft's context size (default: --ctx); "
+                                                                     "smaller than --ctx, the draft sees only that "
+                                                                     "many recent tokens, which keeps it cheap at "
+                                                                     "long context.")]
 ThreadsDraftOpt = Annotated[Optional[int], typer.Option("--threads-draft", help="The draft's CPU threads "
                                                                               "(default: --threads).")]
 NglOpt = Annotated[Optional[int], typer.Option("--ngl", help="Target layers on the GPU (default: all when a GPU "

@@ -30,6 +30,7 @@ log = logging.getLogger("specq.engine")
 DRAFT_MAX_CAP = 64
 # `draft_max="auto"`: the adaptive controller picks each step's length in 0..AUTO_DRAFT_CAP.
 AUTO_DRAFT_CAP = 16
+MIN_DRAFT_WINDOW = 2 * (DRAFT_MAX_CAP + 2)  # a window slides to half its size, leaving room for a whole draft
 ACCEPT_MODES = ("auto", "match", "rejection")
 
 
@@ -166,6 +167,7 @@ class GenerationStats(Rates):
     n_plain_steps: int = 0  # draft_max=auto: steps that chose not to draft (probes excluded)
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning
     n_rollbacks: int = 0  # recurrent/hybrid tails dropped through state snapshots (no checkpoint restore)
+    n_draft_slides: int = 0  # times the draft's window moved on (a --ctx-draft smaller than --ctx)
     n_drafted_by: tuple[tuple[str, int], ...] = ()  # per drafter ("model", "ngram")
     n_accepted_by: tuple[tuple[str, int], ...] = ()
     # The cost model's inputs (native/cost.py): what each step drafted, verified and cost.
@@ -186,7 +188,8 @@ class _Cache:
     """One model's context and exactly the tokens its memory holds (positions 0..len-1)."""
 
     ctx: _ffi.Context
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the history from `offset` on, at positions 0..
+    offset: int = 0  # a draft's window: how many of the history's first tokens its memory leaves out
     checkpoint: tuple[int, bytes] | None = None  # (n_tokens, state) for memories without partial removal
     partial_rm: bool = True
     n_restores: int = 0
@@ -244,6 +247,7 @@ class _Cache:
         self.ctx.decode(new, n0, logits=logits)
 
     def clear(self) -> None:
+        self.offset = 0
         self.tokens.clear()
         self.checkpoint = None
         self.ctx.clear()
@@ -332,7 +336,16 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        self.n_ctx = min(c.n_ctx for c in (self.tgt_ctx, self.dft_ctx) if c is not None)
+        # A draft context smaller than the target's is a window: the draft sees only the most recent tokens
+        # (at long context its attention then costs what it does at short context), the target all of them.
+        self.draft_window = None
+        if self.dft_ctx is not None and self.dft_ctx.n_ctx < self.tgt_ctx.n_ctx:
+            if self.dft_ctx.n_ctx < MIN_DRAFT_WINDOW:
+                self.close()
+                raise UsageError(f"--ctx-draft below --ctx makes the draft see a window of recent tokens, at least "
+                                 f"{MIN_DRAFT_WINDOW} ({self.dft_ctx.n_ctx})")
+            self.draft_window = self.dft_ctx.n_ctx
+        self.n_ctx = self.tgt_ctx.n_ctx
         self.clock = clock or time.perf_counter
         if isinstance(clock, SimulatedClock):
             for c in (self.tgt_ctx, self.dft_ctx):
@@ -405,6 +418,7 @@ class Session:
         self.engine = engine
         self.history: list[int] = []
         self._controllers: dict[tuple, AdaptiveDraft] = {}
+        self.n_draft_slides = 0  # times the draft's window moved on (a smaller --ctx-draft)
         self.tgt = _Cache(engine.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
         self.dft = (_Cache(engine.dft_ctx, partial_rm=not engine.draft.is_recurrent_or_hybrid)
                     if engine.dft_ctx is not None else None)
@@ -454,8 +468,10 @@ class Session:
         dft = self.dft
         clock = self.engine.clock
         t_start = clock()
-        catchup = len(self.history) - len(dft.tokens)
-        dft.extend(self.history[len(dft.tokens):], logits="last")  # catch up, incl. the last token
+        self._fit_draft(len(self.history) + n_max)
+        seen = dft.offset + len(dft.tokens)
+        catchup = len(self.history) - seen
+        dft.extend(self.history[seen:], logits="last")  # catch up, incl. the last token
         dft.save_checkpoint()
         t_loop = clock()
         n_vocab_tgt = self.engine.target.n_vocab
@@ -531,7 +547,19 @@ class Session:
         """Roll both memories back to the committed history (the target holds all but the last token)."""
         self.tgt.truncate(_common_prefix(self.tgt.tokens, self.history[:-1]))
         if self.dft is not None:
-            self.dft.truncate(_common_prefix(self.dft.tokens, self.history))
+            if len(self.history) <= self.dft.offset:
+                self.dft.clear()  # rolled back past the draft's window: it starts again from the beginning
+            self.dft.truncate(_common_prefix(self.dft.tokens, self.history[self.dft.offset:]))
+
+    def _fit_draft(self, n_tokens: int) -> None:
+        """Move the draft's window on, if it has one, so that it can hold the history's first n_tokens tokens:
+        it restarts from the last half-window of the history (evaluated again at the next catch-up)."""
+        window, dft = self.engine.draft_window, self.dft
+        if window is None or n_tokens - dft.offset <= window:
+            return
+        dft.clear()
+        dft.offset = min(n_tokens - window // 2, len(self.history) - 1)
+        self.n_draft_slides += 1
 
     def rollback(self, n: int) -> None:
         """Keep the first n tokens of the history and roll both caches back to them (a server's stop string
@@ -566,14 +594,15 @@ class Session:
             for pos in alone + [last]:
                 self.tgt.extend(hist[len(self.tgt.tokens):pos], logits="none")
                 if self.dft is not None:
-                    self.dft.extend(hist[len(self.dft.tokens):pos], logits="none")
+                    self._fit_draft(pos + 1)
+                    self.dft.extend(hist[self.dft.offset + len(self.dft.tokens):pos], logits="none")
                 if pos == last:
                     break
                 t0 = clock()
                 self.tgt.extend([hist[pos]], logits="last")
                 t1 = clock()
                 draft_s = None
-                if self.dft is not None and len(self.dft.tokens) == pos:
+                if self.dft is not None and self.dft.offset + len(self.dft.tokens) == pos:
                     self.dft.extend([hist[pos]], logits="last")
                     draft_s = clock() - t1
                 out.append((pos, t1 - t0, draft_s))
@@ -605,6 +634,7 @@ class _Progress:
     decode0: float = 0.0
     restores0: int = 0
     rollbacks0: int = 0
+    slides0: int = 0
     plain0: int = 0  # the controller's counters when this generation began (it outlives generations)
     probes0: int = 0
     drafted_by: dict = field(default_factory=dict)
@@ -663,6 +693,7 @@ class Generation:
             prompt_ms=p.prompt_s * 1e3, draft_ms=p.draft_s * 1e3, verify_ms=p.verify_s * 1e3,
             gen_ms=gen_s * 1e3, decode_ms=(sum(c.decode_s for c in self._ctxs) - p.decode0) * 1e3,
             n_restores=self.session.n_restores - p.restores0, n_rollbacks=self.session.n_rollbacks - p.rollbacks0,
+            n_draft_slides=self.session.n_draft_slides - p.slides0,
             stop_reason=stop,
             accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
                 "greedy" if s.temp <= 0 else "sample"),
@@ -703,7 +734,7 @@ class Generation:
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         stop = "interrupted"
         p.decode0 = sum(c.decode_s for c in self._ctxs)
-        p.restores0, p.rollbacks0 = ses.n_restores, ses.n_rollbacks
+        p.restores0, p.rollbacks0, p.slides0 = ses.n_restores, ses.n_rollbacks, ses.n_draft_slides
         p.t_gen0 = self._clock()
         try:
             while True:
