@@ -195,7 +195,14 @@ def draft_for_drafters(settings: GenerationSettings, draft: Path | None) -> Path
     """The draft model to load for --drafter: none for n-gram lookup alone; a comma list with `model` needs one."""
     if "model" in settings.drafters and draft is None and settings.drafter != "model":
         raise UsageError(f"--drafter {settings.drafter} needs a --draft model; use --drafter ngram without one")
-    return None if settings.drafters == ("ngram",) else draft
+    return draft if "model" in settings.drafters or settings.drafters == ("auto",) else None
+
+
+def drafter_engine_options(settings: GenerationSettings) -> dict:
+    """Engine options the drafters need: the target's MTP head for mtp (and for auto where it has one)."""
+    from ..native.engine import mtp_option
+
+    return {"mtp": mtp_option(settings.drafters)}
 
 
 def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_min, temp, top_k, top_p, min_p, seed,

@@ -251,7 +251,7 @@ class ChatSession:
         eos_text = tgt.token_text(tgt.eos).decode("utf-8", "replace") if tgt.eos >= 0 else ""
         self.formatter = TemplateFormatter(template, self._bos_text, eos_text)
         self.settings = settings.validate()
-        self.speculative = engine.draft is not None or "ngram" in self.settings.drafters
+        self.speculative = engine.can_speculate(self.settings)
         self.system = system
         self.session = engine.session()
         self.messages: list[dict] = []

@@ -16,11 +16,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..errors import ContextFullError, UsageError
+from ..errors import ContextFullError, ModelFileError, UsageError
 from . import _ffi
 from .accept import accepted_per_position, greedy_emit, rejection_emit, top_probability
 from .adaptive import AdaptiveDraft
 from .compat import VocabInfo, check_compatible
+from .mtp import MtpDrafter
 from .ngram import parse_drafter, point_mass, propose
 from .sampling import SparseDist, Transform, restrict, sample
 
@@ -119,6 +120,11 @@ class GenerationSettings:
             raise UsageError(f"--ngram-min must be at least 1 and at most --ngram-max ({self.ngram_min}, "
                              f"{self.ngram_max})")
         return self
+
+
+def mtp_option(drafters: tuple[str, ...]) -> bool | None:
+    """Engine(mtp=...) for these drafters: required for mtp, where present for auto, else not loaded."""
+    return True if "mtp" in drafters else (None if drafters == ("auto",) else False)
 
 
 @dataclass(frozen=True)
@@ -296,13 +302,16 @@ class Engine:
                  draft_tensor_split: list[float] | None = None, devices: list[str] | None = None,
                  draft_devices: list[str] | None = None, draft_ctx: int | None = None,
                  draft_threads: int | None = None, draft_n_batch: int | None = None, cpu_amx: bool = False,
-                 clock: Callable[[], float] | None = None, rollback_tokens: int = AUTO_DRAFT_CAP):
+                 clock: Callable[[], float] | None = None, rollback_tokens: int = AUTO_DRAFT_CAP,
+                 mtp: bool | None = False):
         """Each model gets its own context size, batch size, threads and GPU layers (the draft's default to
         the target's); generation stops at the smaller context, since the draft holds the same tokens.
         `cpu_amx` lets llama.cpp use its AMX weight buffer, which crashes on some builds (native/cpu.py).
         `clock` times the steps (default time.perf_counter); a SimulatedClock makes timings deterministic.
         `rollback_tokens`: on a recurrent/hybrid target, how many rejected tokens a verify can roll back through
-        llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it."""
+        llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it.
+        `mtp`: True loads the target's MTP head as a drafter (a target without one is refused), None loads it
+        where the target has one (--drafter auto), False never."""
         for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx, 16), ("--threads", threads, 1),
                                ("--threads-draft", draft_threads, 1)):
             if v is not None and v < least:
@@ -310,9 +319,13 @@ class Engine:
         self.threads = threads or physical_cores()
         self.draft_threads = draft_threads or self.threads
         self.target = _ffi.Model(target, n_gpu_layers=ngl, main_gpu=main_gpu, tensor_split=tensor_split,
-                                 devices=devices, cpu_amx=cpu_amx)
+                                 devices=devices, cpu_amx=cpu_amx, load_mtp=mtp is not False)
         self.draft = None
+        self.mtp_ctx = None
         try:
+            if mtp is True and self.target.n_layer_nextn < 1:
+                raise ModelFileError(f"the target has no MTP layers ({self.target.path}); use --drafter model or "
+                                     "ngram, or a target converted with its MTP head")
             if draft is not None:
                 self.draft = _ffi.Model(draft, n_gpu_layers=ngl_draft, main_gpu=main_gpu,
                                         tensor_split=draft_tensor_split, devices=draft_devices, cpu_amx=cpu_amx)
@@ -324,15 +337,33 @@ class Engine:
             self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,
                                          n_batch=draft_n_batch or n_batch, n_outputs_max=1, name="draft")
                             if self.draft is not None else None)
+            if mtp is not False and self.target.n_layer_nextn > 0:
+                self.mtp_ctx = _ffi.MtpContext(self.target, ctx, self.threads, n_batch=n_batch)
         except BaseException:
             self.close()
             raise
         self.n_ctx = min(c.n_ctx for c in (self.tgt_ctx, self.dft_ctx) if c is not None)
         self.clock = clock or time.perf_counter
         if isinstance(clock, SimulatedClock):
-            for c in (self.tgt_ctx, self.dft_ctx):
+            for c in (self.tgt_ctx, self.dft_ctx, self.mtp_ctx):
                 if c is not None:
                     c.on_decode = clock.on_decode
+
+    def can_speculate(self, s: GenerationSettings) -> bool:
+        """Whether one of the settings' drafters can run here (auto always can: n-gram lookup needs nothing)."""
+        return any(n == "ngram" or n == "auto" or (n == "model" and self.draft is not None)
+                   or (n == "mtp" and self.mtp_ctx is not None) for n in s.drafters)
+
+    def check_drafters(self, s: GenerationSettings) -> None:
+        """Refuse drafters this engine cannot run: a model without a draft, an MTP head the target lacks."""
+        names = s.drafters
+        if "mtp" in names and self.mtp_ctx is None:
+            if self.target.n_layer_nextn < 1:
+                raise ModelFileError(f"the target has no MTP layers ({self.target.path}); use --drafter model or "
+                                     "ngram, or a target converted with its MTP head")
+            raise UsageError("--drafter mtp needs the engine loaded with its MTP head (Engine(..., mtp=True))")
+        if "model" in names and self.draft is None:
+            raise UsageError("speculative decoding needs a draft model; pass --draft (or --drafter ngram or mtp)")
 
     def info(self, which: str = "target") -> ModelInfo:
         m = self.target if which == "target" else self.draft
@@ -345,7 +376,7 @@ class Engine:
         return Session(self)
 
     def close(self) -> None:
-        for name in ("dft_ctx", "tgt_ctx"):
+        for name in ("mtp_ctx", "dft_ctx", "tgt_ctx"):
             c = getattr(self, name, None)
             if c is not None:
                 c.close()
@@ -403,13 +434,26 @@ class Session:
         self.tgt = _Cache(engine.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
         self.dft = (_Cache(engine.dft_ctx, partial_rm=not engine.draft.is_recurrent_or_hybrid)
                     if engine.dft_ctx is not None else None)
+        self.mtp = MtpDrafter(engine.mtp_ctx, self.history) if engine.mtp_ctx is not None else None
         self.reset()
 
     def reset(self) -> None:
-        self.history = []
-        for c in (self.tgt, self.dft):
+        self.history.clear()  # cleared in place: the MTP drafter reads the same list
+        for c in (self.tgt, self.dft, self.mtp):
             if c is not None:
                 c.clear()
+
+    def _attach_mtp(self) -> None:
+        """Route the target's hidden states to this session's MTP drafter (the engine's contexts are shared)."""
+        if self.mtp is not None and self.engine.tgt_ctx.on_hidden != self.mtp.on_hidden:
+            self.engine.tgt_ctx.output_hidden(self.mtp.on_hidden)
+
+    def available_drafters(self, s: GenerationSettings) -> tuple[str, ...]:
+        """The drafters a step may use: --drafter's list, or for auto every one this engine can run."""
+        if s.drafters == ("auto",):
+            return tuple(n for n, ok in (("ngram", True), ("model", self.dft is not None),
+                                         ("mtp", self.mtp is not None)) if ok)
+        return s.drafters
 
     @property
     def n_ctx(self) -> int:
@@ -438,6 +482,25 @@ class Session:
         return self._controllers[key]
 
     # ==== the speculative step ================================================================
+    def _pick(self, row: np.ndarray, p_min: float, samp: "_Sampling") -> tuple[int, SparseDist | None] | None:
+        """The next draft token from a drafter's logits row (greedy, or sampled from its transformed distribution
+        under rejection), or None to stop drafting (top probability below p_min, or an id the target lacks)."""
+        n_vocab_tgt = self.engine.target.n_vocab
+        if samp.draft_tf is None:
+            tok = int(row.argmax())
+            if tok >= n_vocab_tgt or (p_min > 0 and top_probability(row) < p_min):
+                return None
+            return tok, None
+        # Sample only ids the target has (renormalised): stopping on a sampled id it lacks would make the stop
+        # depend on the sampled value and bias the output law.
+        clock = self.engine.clock
+        ts = clock()
+        q = restrict(samp.draft_tf(row), n_vocab_tgt)
+        stop = q is None or (p_min > 0 and q.top_prob() < p_min)
+        tok = -1 if stop else sample(q, samp.rng)
+        samp.sample_s += clock() - ts
+        return None if stop else (tok, q)
+
     def _draft(self, n_max: int, p_min: float, samp: "_Sampling") -> tuple[list[int], list[SparseDist], tuple]:
         """Draft up to n_max tokens: greedy, or sampled from the draft's transformed distribution (rejection).
 
@@ -452,51 +515,73 @@ class Session:
         dft.extend(self.history[len(dft.tokens):], logits="last")  # catch up, incl. the last token
         dft.save_checkpoint()
         t_loop = clock()
-        n_vocab_tgt = self.engine.target.n_vocab
         drafts: list[int] = []
         dists: list[SparseDist] = []
         while True:
-            row = dft.ctx.logits(1)[0]
-            if samp.draft_tf is None:
-                tok = int(row.argmax())
-                if tok >= n_vocab_tgt or (p_min > 0 and top_probability(row) < p_min):
-                    break
-            else:
-                # Sample only ids the target has (renormalised): stopping on a sampled id it lacks would make
-                # the stop depend on the sampled value and bias the output law.
-                ts = clock()
-                q = restrict(samp.draft_tf(row), n_vocab_tgt)
-                stop = q is None or (p_min > 0 and q.top_prob() < p_min)
-                tok = -1 if stop else sample(q, samp.rng)
-                samp.sample_s += clock() - ts
-                if stop:
-                    break
-                dists.append(q)
-            drafts.append(tok)
+            got = self._pick(dft.ctx.logits(1)[0], p_min, samp)
+            if got is None:
+                break
+            drafts.append(got[0])
+            if got[1] is not None:
+                dists.append(got[1])
             if len(drafts) >= n_max:
                 break
-            dft.extend([tok], logits="last")
+            dft.extend([got[0]], logits="last")
         # first + (k-1)·per_token is the step's drafting time: the catch-up decode yields the first token
         first = t_loop - t_start if drafts and catchup <= 2 else None
         per_token = (clock() - t_loop) / (len(drafts) - 1) if len(drafts) >= 2 else None
         return drafts, dists, (first, per_token)
 
-    def _propose(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int) -> tuple:
+    def _draft_mtp(self, n_max: int, p_min: float, samp: "_Sampling") -> tuple[list[int], list[SparseDist], tuple]:
+        """Draft with the target's MTP head, as _draft does with a draft model (same picking, same timings)."""
+        mtp, clock = self.mtp, self.engine.clock
+        t_start = clock()
+        a = mtp.missing_from()
+        if a is not None:  # the trunk rows from there were dropped (a rollback): the target evaluates them again
+            self.tgt.truncate(a)
+            self.tgt.extend(self.history[len(self.tgt.tokens):-1], logits="none")
+            mtp.n_redecodes += 1
+        catchup = mtp.begin()
+        t_loop = clock()
+        drafts: list[int] = []
+        dists: list[SparseDist] = []
+        try:
+            while True:
+                got = self._pick(mtp.ctx.logits(), p_min, samp)
+                if got is None:
+                    break
+                drafts.append(got[0])
+                if got[1] is not None:
+                    dists.append(got[1])
+                if len(drafts) >= n_max:
+                    break
+                mtp.advance(got[0], len(drafts))
+        finally:
+            mtp.end()
+        first = t_loop - t_start if drafts and catchup <= 2 else None
+        per_token = (clock() - t_loop) / (len(drafts) - 1) if len(drafts) >= 2 else None
+        return drafts, dists, (first, per_token)
+
+    def _propose(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int,
+                 drafters: tuple[str, ...] | None = None) -> tuple:
         """(drafts, their distributions in rejection mode, draft costs, drafter) from the first drafter with a
-        proposal: an n-gram match in the text so far, or the draft model."""
-        for name in s.drafters if n_draft_max > 0 else ():
+        proposal: an n-gram match in the text so far, the draft model or the target's MTP head."""
+        for name in (drafters or self.available_drafters(s)) if n_draft_max > 0 else ():
             if name == "ngram":
                 drafts = propose(self.history, s.ngram_min, s.ngram_max, n_draft_max)
                 if drafts:
                     return drafts, [point_mass(t) for t in drafts] if samp.draft_tf else [], (None, None), name
-            elif self.dft is not None:
+            elif name == "mtp" and self.mtp is not None:
+                return (*self._draft_mtp(n_draft_max, s.p_min, samp), name)
+            elif name == "model" and self.dft is not None:
                 return (*self._draft(n_draft_max, s.p_min, samp), name)
         return [], [], (None, None), None
 
-    def _step(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int) -> "_Step":
+    def _step(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int,
+              drafters: tuple[str, ...] | None = None) -> "_Step":
         clock = self.engine.clock
         t0 = clock()
-        drafts, q, costs, drafter = self._propose(s, samp, n_draft_max)
+        drafts, q, costs, drafter = self._propose(s, samp, n_draft_max, drafters)
         if len(drafts) < s.draft_min:
             drafts, q, drafter = [], [], None
         t1 = clock()
@@ -526,6 +611,8 @@ class Session:
         self.tgt.truncate(_common_prefix(self.tgt.tokens, self.history[:-1]))
         if self.dft is not None:
             self.dft.truncate(_common_prefix(self.dft.tokens, self.history))
+        if self.mtp is not None:
+            self.mtp.truncate(_common_prefix(self.mtp.tokens, self.history))
 
     def rollback(self, n: int) -> None:
         """Keep the first n tokens of the history and roll both caches back to them (a server's stop string
@@ -546,6 +633,7 @@ class Session:
                 f"prompt does not fit in the context ({total} tokens, ctx {self.n_ctx}); "
                 "use a larger --ctx or a shorter prompt")
         self.history.extend(new_tokens)
+        self._attach_mtp()
         try:
             self._rewind()
             self.tgt.extend(self.history[len(self.tgt.tokens):-1], logits="none")
@@ -559,8 +647,8 @@ class Session:
     def generate(self, new_tokens: list[int], settings: GenerationSettings,
                  speculative: bool = True) -> "Generation":
         settings.validate()
-        if speculative and self.dft is None and "ngram" not in settings.drafters:
-            raise UsageError("speculative decoding needs a draft model; pass --draft (or --drafter ngram)")
+        if speculative:
+            self.engine.check_drafters(settings)
         return Generation(self, new_tokens, settings, speculative)
 
 

@@ -176,7 +176,7 @@ class Worker:
         ses = self.session
         n_reused = reused_prefix(ses.tgt.tokens, job.prompt)  # what prefill will keep of the target's cache
         del ses.history[:]  # the prompt replaces the history; prefill keeps the shared cached prefix
-        speculative = self.engine.draft is not None or "ngram" in job.settings.drafters
+        speculative = self.engine.can_speculate(job.settings)
         gen = ses.generate(job.prompt, job.settings, speculative=speculative)
         matcher = StopMatcher(job.stops)
         n_kept = 0
