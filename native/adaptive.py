@@ -197,3 +197,83 @@ class AdaptiveDraft:
             first_draft_ms=None if self.t_first is None else self.t_first * 1e3,
             verify_ms={b: v * 1e3 for b, v in sorted(self.v_mean.items())}, overhead_ms=self.overhead * 1e3,
             best_k=k, n_plain_steps=self.n_plain_steps, n_probes=self.n_probes)
+
+
+class AdaptiveDrafters:
+    """--drafter auto: each step, the drafter (or plain decoding) and the length with the most expected tokens
+    per second. One AdaptiveDraft per drafter holds its acceptance by position and its drafting costs; a shared
+    one holds what every step measures alike, the verify cost by batch size and the per-step overhead. While
+    plain decoding wins, a short probe of the drafter tried least recently runs every `probe_interval` steps
+    (doubling while probes keep failing), so that a drafter whose estimate went stale can come back."""
+
+    def __init__(self, cap: int, cost_ratio_priors: dict[str, float], probe_min: int = 16, probe_max: int = 64,
+                 probe_k: int = 1, **kw):
+        self.cap = cap
+        self.shared = AdaptiveDraft(cap, **kw)
+        self.per: dict[str, AdaptiveDraft] = {}
+        for name, ratio in cost_ratio_priors.items():
+            c = AdaptiveDraft(cap, cost_ratio_prior=ratio, **kw)
+            c.verify_s = self.shared.verify_s  # one verify model: the target's cost does not depend on the drafter
+            self.per[name] = c
+        self.probe_min, self.probe_max, self.probe_k = probe_min, probe_max, probe_k
+        self.probe_interval = probe_min
+        self.plain_streak = 0
+        self.n_plain_steps = 0
+        self.n_probes = 0
+        self.last_used = {name: 0 for name in self.per}
+        self.n_steps = 0
+        self.n_chosen = {name: 0 for name in self.per}
+
+    def choose(self, limits: dict[str, int]) -> tuple[str | None, int]:
+        """(drafter, draft length) for the next step, or (None, 0) for plain decoding; limits: the most each
+        available drafter may draft now (an n-gram proposal is only as long as what followed its match)."""
+        self.n_steps += 1
+        sh = self.shared
+        best, best_k, best_rate = None, 0, 1.0 / (sh.verify_s(1) + sh.overhead)
+        for name, limit in limits.items():
+            if limit <= 0:
+                continue
+            c = self.per[name]
+            k, rate = best_draft_length(c.alphas()[:min(limit, self.cap)], c.draft_s(), sh.verify_s, sh.overhead,
+                                        c.first_s())
+            if k > 0 and rate > best_rate:
+                best, best_k, best_rate = name, k, rate
+        if best is not None:
+            self.plain_streak = 0
+            self.probe_interval = self.probe_min
+            return self._use(best), best_k
+        self.plain_streak += 1
+        if self.plain_streak > self.probe_interval:
+            due = [n for n, lim in limits.items() if lim > 0 and self.per[n]._could_pay(min(lim, self.cap))]
+            if due:
+                self.plain_streak = 0
+                self.probe_interval = min(2 * self.probe_interval, self.probe_max)
+                self.n_probes += 1
+                name = min(due, key=lambda n: self.last_used[n])
+                return self._use(name), min(self.probe_k, limits[name], self.cap)
+        self.n_plain_steps += 1
+        return None, 0
+
+    def _use(self, name: str) -> str:
+        self.last_used[name] = self.n_steps
+        self.n_chosen[name] += 1
+        return name
+
+    def observe(self, drafter: str | None, n_drafted: int, n_accepted: int, draft_token_s: float | None,
+                verify_s: float, overhead_s: float, draft_s: float | None = None,
+                first_token_s: float | None = None) -> None:
+        """Record one step (drafter None: plain decoding); the arguments as AdaptiveDraft.observe's."""
+        self.shared.observe(n_drafted, n_accepted, None, verify_s, overhead_s)
+        if drafter is not None and n_drafted:
+            self.per[drafter].observe(n_drafted, n_accepted, draft_token_s, verify_s, overhead_s, draft_s,
+                                      first_token_s)
+
+    def snapshot(self, limit: int | None = None) -> AdaptiveSnapshot:
+        """The snapshot of the drafter chosen most often (costs and plain steps as measured for all)."""
+        name = max(self.n_chosen, key=lambda n: self.n_chosen[n]) if self.per else None
+        snap = (self.per[name] if name else self.shared).snapshot(limit)
+        return AdaptiveSnapshot(alpha=snap.alpha, draft_ms_per_token=snap.draft_ms_per_token,
+                                first_draft_ms=snap.first_draft_ms,
+                                verify_ms={b: v * 1e3 for b, v in sorted(self.shared.v_mean.items())},
+                                overhead_ms=self.shared.overhead * 1e3, best_k=snap.best_k,
+                                n_plain_steps=self.n_plain_steps, n_probes=self.n_probes)

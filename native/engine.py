@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import ContextFullError, ModelFileError, UsageError
 from . import _ffi
 from .accept import accepted_per_position, greedy_emit, rejection_emit, top_probability
-from .adaptive import AdaptiveDraft
+from .adaptive import AdaptiveDraft, AdaptiveDrafters
 from .compat import VocabInfo, check_compatible
 from .mtp import MtpDrafter
 from .ngram import parse_drafter, point_mass, propose
@@ -430,7 +430,7 @@ class Session:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.history: list[int] = []
-        self._controllers: dict[tuple, AdaptiveDraft] = {}
+        self._controllers: dict[tuple, AdaptiveDraft | AdaptiveDrafters] = {}
         self.tgt = _Cache(engine.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
         self.dft = (_Cache(engine.dft_ctx, partial_rm=not engine.draft.is_recurrent_or_hybrid)
                     if engine.dft_ctx is not None else None)
@@ -469,7 +469,7 @@ class Session:
         """Recurrent/hybrid tails dropped through state snapshots so far, both models."""
         return sum(c.n_rollbacks for c in (self.tgt, self.dft) if c is not None)
 
-    def controller(self, s: GenerationSettings) -> AdaptiveDraft:
+    def controller(self, s: GenerationSettings) -> AdaptiveDraft | AdaptiveDrafters:
         """The draft_max="auto" controller for these sampling settings. It lives as long as the session
         (reset() included): costs and acceptance belong to the pair and the machine, not to one prompt, so
         later generations start from what earlier ones measured instead of from a prior."""
@@ -478,8 +478,32 @@ class Session:
             eng = self.engine
             # an n-gram lookup costs next to nothing; a model about its share of the target's bytes
             ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1) if eng.draft is not None else 0.01
-            self._controllers[key] = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio)
+            if s.drafters == ("auto",):
+                self._controllers[key] = AdaptiveDrafters(s.draft_cap, {n: self._cost_prior(n) for n in
+                                                                        self.available_drafters(s)})
+            else:
+                self._controllers[key] = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio)
         return self._controllers[key]
+
+    def _cost_prior(self, name: str) -> float:
+        """A drafter's cost per token before any is measured, as a share of one target token."""
+        eng = self.engine
+        if name == "model":
+            return eng.draft.size_bytes / max(eng.target.size_bytes, 1)
+        if name == "mtp":  # one decoder layer of the target's, and its output head
+            return min(1.0, 2.0 / max(eng.target.n_layer, 1))
+        return 0.01
+
+    def _auto_limits(self, s: GenerationSettings, n_draft_max: int) -> dict[str, int]:
+        """--drafter auto: the most each available drafter could draft this step (an n-gram proposal exists only
+        on a match, and is as long as what followed it)."""
+        limits = {}
+        for name in self.available_drafters(s):
+            if name == "ngram":
+                limits[name] = len(propose(self.history, s.ngram_min, s.ngram_max, n_draft_max))
+            else:
+                limits[name] = n_draft_max
+        return limits
 
     # ==== the speculative step ================================================================
     def _pick(self, row: np.ndarray, p_min: float, samp: "_Sampling") -> tuple[int, SparseDist | None] | None:
@@ -535,13 +559,15 @@ class Session:
     def _draft_mtp(self, n_max: int, p_min: float, samp: "_Sampling") -> tuple[list[int], list[SparseDist], tuple]:
         """Draft with the target's MTP head, as _draft does with a draft model (same picking, same timings)."""
         mtp, clock = self.mtp, self.engine.clock
-        t_start = clock()
         a = mtp.missing_from()
         if a is not None:  # the trunk rows from there were dropped (a rollback): the target evaluates them again
             self.tgt.truncate(a)
             self.tgt.extend(self.history[len(self.tgt.tokens):-1], logits="none")
             mtp.n_redecodes += 1
-        catchup = mtp.begin()
+        if len(self.history) - len(mtp.tokens) > 2:  # a long catch-up (after plain steps) is prefill-like:
+            mtp.catch_up(len(self.history) - 1)      # decoded apart, so the first token's cost stays clean
+        t_first = clock()
+        mtp.begin()
         t_loop = clock()
         drafts: list[int] = []
         dists: list[SparseDist] = []
@@ -558,7 +584,7 @@ class Session:
                 mtp.advance(got[0], len(drafts))
         finally:
             mtp.end()
-        first = t_loop - t_start if drafts and catchup <= 2 else None
+        first = t_loop - t_first if drafts else None
         per_token = (clock() - t_loop) / (len(drafts) - 1) if len(drafts) >= 2 else None
         return drafts, dists, (first, per_token)
 
@@ -566,7 +592,8 @@ class Session:
                  drafters: tuple[str, ...] | None = None) -> tuple:
         """(drafts, their distributions in rejection mode, draft costs, drafter) from the first drafter with a
         proposal: an n-gram match in the text so far, the draft model or the target's MTP head."""
-        for name in (drafters or self.available_drafters(s)) if n_draft_max > 0 else ():
+        names = self.available_drafters(s) if drafters is None else drafters
+        for name in names if n_draft_max > 0 else ():
             if name == "ngram":
                 drafts = propose(self.history, s.ngram_min, s.ngram_max, n_draft_max)
                 if drafts:
@@ -750,7 +777,8 @@ class Generation:
         p.prompt_s = self._clock() - tp0
 
         samp = self._samp = _Sampling(s, self.speculative)
-        ctrl = ses.controller(s) if self.speculative and s.adaptive else None
+        auto_drafter = s.drafters == ("auto",)
+        ctrl = ses.controller(s) if self.speculative and (s.adaptive or auto_drafter) else None
         self.controller = ctrl
         if ctrl is not None:
             p.plain0, p.probes0 = ctrl.n_plain_steps, ctrl.n_probes
@@ -769,14 +797,19 @@ class Generation:
                     stop = "ctx"
                     break
                 n_draft_max = 0
+                drafters = None  # None: --drafter's list; auto names this step's choice (() for plain decoding)
                 if self.speculative:
                     n_draft_max = min(s.draft_cap, ses.n_ctx - len(ses.history) - 1)
                     if remaining is not None:
                         n_draft_max = min(n_draft_max, remaining - 1)
                     if ctrl is not None:
                         t_step = self._clock()
-                        n_draft_max = ctrl.choose(n_draft_max)
-                step = ses._step(s, samp, max(n_draft_max, 0))
+                        if auto_drafter:
+                            name, n_draft_max = ctrl.choose(ses._auto_limits(s, max(n_draft_max, 0)))
+                            drafters = (name,) if name else ()
+                        else:
+                            n_draft_max = ctrl.choose(n_draft_max)
+                step = ses._step(s, samp, max(n_draft_max, 0), drafters)
                 p.n_steps += 1
                 p.draft_s += step.draft_s
                 p.verify_s += step.verify_s
@@ -807,9 +840,12 @@ class Generation:
                     p.record_costs(step, len(events))
                 ses._rewind()
                 if ctrl is not None:
-                    ctrl.observe(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
-                                 self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s,
-                                 step.first_token_s)
+                    args = (step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
+                            self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s, step.first_token_s)
+                    if auto_drafter:
+                        ctrl.observe(step.drafter, *args)
+                    else:
+                        ctrl.observe(*args)
                 yield from events
                 if done:
                     stop = done

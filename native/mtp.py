@@ -111,13 +111,14 @@ class MtpDrafter:
         a = max(len(self.tokens) - 1, 0)
         return None if self.rows.has(a, n - 1) else a
 
-    def begin(self) -> int:
-        """Decode the positions still missing up to (t_{n-1}, h_{n-2}); its output proposes d1. Returns how many
-        positions that was (the catch-up)."""
-        n = len(self.history)
-        m = len(self.tokens)
-        self._extend(n, logits=True)
-        return n - m
+    def catch_up(self, upto: int) -> None:
+        """Decode the committed positions still missing below `upto`, without output."""
+        if upto > len(self.tokens):
+            self._extend(upto, logits=False)
+
+    def begin(self) -> None:
+        """Decode the positions still missing up to (t_{n-1}, h_{n-2}); its output proposes d1."""
+        self._extend(len(self.history), logits=True)
 
     def advance(self, token: int, i: int) -> None:
         """Feed drafted token d_i (i from 1) at its position with the head's own output state: no trunk state
