@@ -136,7 +136,7 @@ def parse_draft_max(value: str | int) -> int | str:
         raise UsageError(f"--draft-max must be a number or auto ({value})")
 
 
-PAIR_SETTINGS = ("draft_max", "draft_min", "p_min", "ctx")  # what a pair manifest may suggest
+PAIR_SETTINGS = ("draft_max", "draft_min", "p_min", "ctx", "drafter")  # what a pair manifest may suggest
 
 
 def resolve_pair(pair: Path | None, target: Path | None, draft: Path | None, click_ctx) -> tuple:
@@ -158,7 +158,8 @@ def resolve_pair(pair: Path | None, target: Path | None, draft: Path | None, cli
     return p.target_path, p.draft_path, keep
 
 
-_MANIFEST_TYPES = {"draft_max": (int, str), "draft_min": (int,), "p_min": (int, float), "ctx": (int,)}
+_MANIFEST_TYPES = {"draft_max": (int, str), "draft_min": (int,), "p_min": (int, float), "ctx": (int,),
+                   "drafter": (str,)}
 
 
 def check_manifest_settings(settings: dict, pair_dir: Path) -> None:
@@ -212,5 +213,6 @@ def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_m
     return GenerationSettings(
         n_predict=n_predict, draft_max=parse_draft_max(suggested.get("draft_max", draft_max)),
         draft_min=suggested.get("draft_min", draft_min), p_min=suggested.get("p_min", p_min), temp=temp,
-        top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, accept=accept, drafter=drafter, ngram_min=ngram_min,
+        top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, accept=accept,
+        drafter=suggested.get("drafter", drafter), ngram_min=ngram_min,
         ngram_max=ngram_max).validate()

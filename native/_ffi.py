@@ -342,10 +342,12 @@ class Context(_Handle):
 
     def output_hidden(self, on_hidden) -> None:
         """After each decode, hand the trunk's last hidden state of every batch position (the MTP head's input,
-        n_embd floats a row, no extra logits rows) to on_hidden(pos0, rows): a view valid during the call."""
+        n_embd floats a row, no extra logits rows) to on_hidden(pos0, rows): a view valid during the call.
+        None turns the output off."""
         from llama_cpp import llama_cpp_ext as X
 
-        X.llama_set_embeddings_nextn(self.handle, True, False)  # unmasked: a row per token, logits or not
+        # unmasked: a row per token, logits or not
+        X.llama_set_embeddings_nextn(self.handle, on_hidden is not None, False)
         self._n_embd = self.model.n_embd_out
         self.on_hidden = on_hidden
 

@@ -443,10 +443,13 @@ class Session:
             if c is not None:
                 c.clear()
 
-    def _attach_mtp(self) -> None:
-        """Route the target's hidden states to this session's MTP drafter (the engine's contexts are shared)."""
-        if self.mtp is not None and self.engine.tgt_ctx.on_hidden != self.mtp.on_hidden:
-            self.engine.tgt_ctx.output_hidden(self.mtp.on_hidden)
+    def _attach_mtp(self, on: bool) -> None:
+        """Route the target's hidden states to this session's MTP drafter (the engine's contexts are shared), or
+        stop them where no step can draft with it (the target alone pays nothing for the head). Rows missed
+        meanwhile are evaluated again when the head next drafts (MtpDrafter.missing_from)."""
+        want = self.mtp.on_hidden if on and self.mtp is not None else None
+        if self.engine.tgt_ctx.on_hidden != want:
+            self.engine.tgt_ctx.output_hidden(want)
 
     def available_drafters(self, s: GenerationSettings) -> tuple[str, ...]:
         """The drafters a step may use: --drafter's list, or for auto every one this engine can run."""
@@ -660,7 +663,6 @@ class Session:
                 f"prompt does not fit in the context ({total} tokens, ctx {self.n_ctx}); "
                 "use a larger --ctx or a shorter prompt")
         self.history.extend(new_tokens)
-        self._attach_mtp()
         try:
             self._rewind()
             self.tgt.extend(self.history[len(self.tgt.tokens):-1], logits="none")
@@ -772,6 +774,7 @@ class Generation:
     def __iter__(self) -> Iterator[TokenEvent]:
         ses, s, p = self.session, self.settings, self._p
         eng = ses.engine
+        ses._attach_mtp(self.speculative and any(n in ("mtp", "auto") for n in s.drafters))
         tp0 = self._clock()
         ses.prefill(self.new_tokens)
         p.prompt_s = self._clock() - tp0

@@ -94,3 +94,65 @@ def test_auto_includes_the_mtp_head_where_the_target_has_one(mtp_target):
         g = e.session().generate(toks, GenerationSettings(n_predict=60, drafter="auto")).run()
     assert g.tokens == base.tokens
     assert dict(g.stats.n_drafted_by).get("mtp", 0) > 10 and dict(g.stats.n_accepted_by)["mtp"] > 0
+
+
+# ---- the drafter on the command line: bench, tune, the pair manifest, presets ----------------------------------
+def test_bench_and_tune_take_the_mtp_and_auto_drafters(mtp_target, tiny_target):
+    import json
+
+    from typer.testing import CliRunner
+
+    from specq.cli.app import app
+
+    runner = CliRunner()
+    base = ["--target", str(mtp_target), "--threads", "1", "--ctx", "256"]
+    r = runner.invoke(app, ["bench", *base, "--n-predict", "24", "--drafter", "mtp", "--draft-max", "3",
+                            "--json", "-", "-q"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    spec = next(x for x in doc["runs"] if x["mode"] == "speculative")
+    assert doc["settings"]["drafter"] == "mtp" and doc["draft"] is None
+    assert spec["n_drafted_by"]["mtp"] == spec["n_drafted"] > 0 and doc["summary"]["identical_output"] is True
+    r = runner.invoke(app, ["bench", *base, "--n-predict", "24", "--drafter", "auto", "--json", "-", "-q"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["settings"]["drafter"] == "auto"
+    r = runner.invoke(app, ["tune", *base, "--n-predict", "16", "--draft-max", "2", "--drafter", "mtp", "--json", "-"])
+    assert r.exit_code == 0, r.output
+    tuned = json.loads(r.stdout)
+    assert tuned["drafter"] == "mtp" and tuned["accept_rate"] is not None and tuned["draft_ms"] > 0
+    r = runner.invoke(app, ["tune", "--target", str(tiny_target), "--drafter", "mtp", "--threads", "1"])
+    assert r.exit_code == 1 and "no MTP layers" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_pair_manifest_and_a_preset_may_name_the_drafter(tiny_target, tmp_path):
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from specq.cli.app import app
+    from specq.convert.manifest import sha256_file, write_manifest
+    from specq.convert.presets import parse_preset
+    from test_presets import raw
+    from specq.errors import ManifestError
+
+    shutil.copy(tiny_target, tmp_path / "t.gguf")
+    write_manifest(tmp_path, {"file": "t.gguf", "sha256": sha256_file(tmp_path / "t.gguf")}, None,
+                   {"draft_max": 3, "drafter": "ngram"})
+    base = ["bench", "--pair", str(tmp_path), "--threads", "1", "--ctx", "256", "--n-predict", "8", "--json", "-",
+            "-q"]
+    r = CliRunner().invoke(app, base)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["settings"]["drafter"] == "ngram"  # no --draft needed: the manifest's drafter
+    write_manifest(tmp_path, {"file": "t.gguf", "sha256": sha256_file(tmp_path / "t.gguf")}, None,
+                   {"drafter": "sometimes"})
+    r = CliRunner().invoke(app, base)
+    assert r.exit_code == 1 and "bad drafter in the pair manifest" in r.stderr, r.output
+
+    doc = raw("qwen2.5-7b")
+    assert "drafter" not in parse_preset(doc, "x").settings  # optional
+    doc["settings"]["drafter"] = "model,ngram"
+    assert parse_preset(doc, "x").settings["drafter"] == "model,ngram"
+    doc["settings"]["drafter"] = "mtp,auto"
+    with pytest.raises(ManifestError, match="drafter"):
+        parse_preset(doc, "x")
