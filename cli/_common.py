@@ -118,9 +118,11 @@ DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="ggml devices
 CpuAmxOpt = Annotated[bool, typer.Option("--cpu-amx", help="Let llama.cpp use its AMX weight buffer on Intel CPUs "
                                                           "with AMX (off by default: it crashes, llama.cpp#20824).")]
 DrafterOpt = Annotated[str, typer.Option("--drafter", help="Who proposes tokens: model (the draft model), ngram "
-                                                          "(lookup in the text so far, no model) or model,ngram "
-                                                          "(the n-gram's proposal where the text repeats, else the "
-                                                          "model's).")]
+                                                          "(lookup in the text so far, no model), mtp (the target's "
+                                                          "own MTP head), a comma list such as model,ngram (the "
+                                                          "n-gram's proposal where the text repeats, else the "
+                                                          "model's), or auto (chosen each step from what was "
+                                                          "measured, plain decoding included).")]
 NgramMinOpt = Annotated[int, typer.Option("--ngram-min", help="Shortest repeated ending an n-gram proposal needs.")]
 NgramMaxOpt = Annotated[int, typer.Option("--ngram-max", help="Longest ending the n-gram lookup tries first.")]
 DraftDeviceOpt = Annotated[Optional[str], typer.Option("--draft-device", help="ggml devices for the draft.")]

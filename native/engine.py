@@ -68,7 +68,8 @@ class GenerationSettings:
     min_p: float = 0.05
     seed: int = 0
     accept: str = "auto"  # "match" | "rejection" | "auto" (rejection at temp > 0); temp 0 is always greedy
-    drafter: str = "model"  # "model", "ngram" or a comma list ("model,ngram": the n-gram's proposal on a match)
+    drafter: str = "model"  # "model", "ngram", "mtp", a comma list ("model,ngram": the n-gram's proposal on a
+    # match, else the model's) or "auto" (the adaptive controller chooses per step, plain decoding included)
     ngram_min: int = 3  # the shortest ending of the text an n-gram proposal needs to have seen before
     ngram_max: int = 6
 
@@ -172,7 +173,7 @@ class GenerationStats(Rates):
     n_plain_steps: int = 0  # draft_max=auto: steps that chose not to draft (probes excluded)
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning
     n_rollbacks: int = 0  # recurrent/hybrid tails dropped through state snapshots (no checkpoint restore)
-    n_drafted_by: tuple[tuple[str, int], ...] = ()  # per drafter ("model", "ngram")
+    n_drafted_by: tuple[tuple[str, int], ...] = ()  # per drafter ("model", "ngram", "mtp")
     n_accepted_by: tuple[tuple[str, int], ...] = ()
     # The cost model's inputs (native/cost.py): what each step drafted, verified and cost.
     steps_by_k: tuple[tuple[int, int], ...] = ()  # (verified draft length, steps)
@@ -349,11 +350,6 @@ class Engine:
                 if c is not None:
                     c.on_decode = clock.on_decode
 
-    def can_speculate(self, s: GenerationSettings) -> bool:
-        """Whether one of the settings' drafters can run here (auto always can: n-gram lookup needs nothing)."""
-        return any(n == "ngram" or n == "auto" or (n == "model" and self.draft is not None)
-                   or (n == "mtp" and self.mtp_ctx is not None) for n in s.drafters)
-
     def check_drafters(self, s: GenerationSettings) -> None:
         """Refuse drafters this engine cannot run: a model without a draft, an MTP head the target lacks."""
         names = s.drafters
@@ -399,7 +395,7 @@ class _Step:
     verify_s: float
     first_token_s: float | None = None  # seconds to the first drafted token (catch-up included), where clean
     draft_token_s: float | None = None  # seconds per further drafted token, where measured
-    drafter: str | None = None  # who proposed this step's drafts ("model", "ngram")
+    drafter: str | None = None  # who proposed this step's drafts ("model", "ngram", "mtp")
 
 
 class _Sampling:

@@ -72,7 +72,7 @@ class MtpDrafter:
         self.rows.put(pos0, rows)
         if len(self.rows.rows) > FLUSH_ROWS:
             upto = min(self.rows.end, len(self.history))
-            if self.rows.has(max(len(self.tokens) - 1, 0), upto - 1):
+            if upto > len(self.tokens) and self.rows.has(max(len(self.tokens) - 1, 0), upto - 1):
                 self._extend(upto, logits=False)
 
     def _pairs(self, upto: int) -> tuple[list[int], np.ndarray]:
