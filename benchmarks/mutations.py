@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_exactness.py", "tests/test_rejection.py", "tests/test_engine.py", "tests/test_accept.py",
-         "tests/test_tinyqwen35.py", "tests/test_hybrid.py"]
+         "tests/test_tinyqwen35.py", "tests/test_hybrid.py", "tests/test_mtp.py"]
 
 
 @dataclass(frozen=True)
@@ -62,12 +62,18 @@ MUTANTS = [
     Mutant("wide-vocab-stop", "the draft samples its whole vocabulary and stops on an id the target lacks "
                               "(defect 3: the stop depends on the sampled value)",
            (("native/engine.py", "q = restrict(samp.draft_tf(row), n_vocab_tgt)", "q = samp.draft_tf(row)"),
-            ("native/engine.py", "samp.sample_s += clock() - ts\n                if stop:",
-             "samp.sample_s += clock() - ts\n                if stop or tok >= n_vocab_tgt:"))),
+            ("native/engine.py", "return None if stop else (tok, q)",
+             "return None if stop or tok >= n_vocab_tgt else (tok, q)"))),
     Mutant("count-unemitted", "n_drafted/n_accepted count draft tokens past an EOG or n_predict cut (defect 4)",
            (("native/engine.py",
              "drafted, accepted = min(step.n_drafted, len(events)), min(len(step.emitted) - 1, len(events))",
              "drafted, accepted = step.n_drafted, len(step.emitted) - 1"),)),
+    Mutant("mtp-pairing", "the MTP head fed token k with the trunk's hidden state h_{k-2} instead of h_{k-1}",
+           (("native/mtp.py", "            rows = self.rows.take(m - 1, upto - 1)\n",
+             "            rows = np.roll(self.rows.take(m - 1, upto - 1), 1, axis=0)\n"),)),
+    Mutant("mtp-own-state", "a drafted token fed to the MTP head with the trunk's last row, not the head's own "
+                            "output state",
+           (("native/mtp.py", "        h = self.ctx.hidden()", "        h = self.rows.rows[-1].copy()"),)),
 ]
 
 

@@ -124,9 +124,11 @@ FlashAttnOpt = Annotated[str, typer.Option("--flash-attn", help="Attention path:
                                                                "on the CPU, where it decodes faster at long "
                                                                "context; llama.cpp's choice on a GPU).")]
 DrafterOpt = Annotated[str, typer.Option("--drafter", help="Who proposes tokens: model (the draft model), ngram "
-                                                          "(lookup in the text so far, no model) or model,ngram "
-                                                          "(the n-gram's proposal where the text repeats, else the "
-                                                          "model's).")]
+                                                          "(lookup in the text so far, no model), mtp (the target's "
+                                                          "own MTP head), a comma list such as model,ngram (the "
+                                                          "n-gram's proposal where the text repeats, else the "
+                                                          "model's), or auto (chosen each step from what was "
+                                                          "measured, plain decoding included).")]
 NgramMinOpt = Annotated[int, typer.Option("--ngram-min", help="Shortest repeated ending an n-gram proposal needs.")]
 NgramMaxOpt = Annotated[int, typer.Option("--ngram-max", help="Longest ending the n-gram lookup tries first.")]
 DraftDeviceOpt = Annotated[Optional[str], typer.Option("--draft-device", help="ggml devices for the draft.")]
@@ -142,7 +144,7 @@ def parse_draft_max(value: str | int) -> int | str:
         raise UsageError(f"--draft-max must be a number or auto ({value})")
 
 
-PAIR_SETTINGS = ("draft_max", "draft_min", "p_min", "ctx")  # what a pair manifest may suggest
+PAIR_SETTINGS = ("draft_max", "draft_min", "p_min", "ctx", "drafter")  # what a pair manifest may suggest
 
 
 def resolve_pair(pair: Path | None, target: Path | None, draft: Path | None, click_ctx) -> tuple:
@@ -164,7 +166,8 @@ def resolve_pair(pair: Path | None, target: Path | None, draft: Path | None, cli
     return p.target_path, p.draft_path, keep
 
 
-_MANIFEST_TYPES = {"draft_max": (int, str), "draft_min": (int,), "p_min": (int, float), "ctx": (int,)}
+_MANIFEST_TYPES = {"draft_max": (int, str), "draft_min": (int,), "p_min": (int, float), "ctx": (int,),
+                   "drafter": (str,)}
 
 
 def check_manifest_settings(settings: dict, pair_dir: Path) -> None:
@@ -201,7 +204,14 @@ def draft_for_drafters(settings: GenerationSettings, draft: Path | None) -> Path
     """The draft model to load for --drafter: none for n-gram lookup alone; a comma list with `model` needs one."""
     if "model" in settings.drafters and draft is None and settings.drafter != "model":
         raise UsageError(f"--drafter {settings.drafter} needs a --draft model; use --drafter ngram without one")
-    return None if settings.drafters == ("ngram",) else draft
+    return draft if "model" in settings.drafters or settings.drafters == ("auto",) else None
+
+
+def drafter_engine_options(settings: GenerationSettings) -> dict:
+    """Engine options the drafters need: the target's MTP head for mtp (and for auto where it has one)."""
+    from ..native.engine import mtp_option
+
+    return {"mtp": mtp_option(settings.drafters)}
 
 
 def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_min, temp, top_k, top_p, min_p, seed,
@@ -211,5 +221,6 @@ def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_m
     return GenerationSettings(
         n_predict=n_predict, draft_max=parse_draft_max(suggested.get("draft_max", draft_max)),
         draft_min=suggested.get("draft_min", draft_min), p_min=suggested.get("p_min", p_min), temp=temp,
-        top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, accept=accept, drafter=drafter, ngram_min=ngram_min,
+        top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, accept=accept,
+        drafter=suggested.get("drafter", drafter), ngram_min=ngram_min,
         ngram_max=ngram_max).validate()

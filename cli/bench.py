@@ -19,10 +19,11 @@ from ..errors import UsageError
 from ..native.bench import DEFAULT_PROMPT, BenchConfig, load_prompt_set, run_bench, write_csv
 from ..native.bench_plot import check_plot_available, plot_sweep
 from ..native.engine import GenerationSettings
+from ..native.ngram import drafts_without_model
 from ..native.placement import resolve_placement
 from .checks import check_output_path, pair_warning
 from ._common import (AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
-                      draft_for_drafters, DraftMinOpt, DraftOpt, err, handle_errors, MainGpuOpt, MinPOpt,
+                      draft_for_drafters, drafter_engine_options, DraftMinOpt, DraftOpt, err, handle_errors, MainGpuOpt, MinPOpt,
                       models_or_demo, NglDraftOpt, NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, parse_draft_max, PMinOpt,
                       Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
                       TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
@@ -287,7 +288,7 @@ def main(
         check_output_path(flag, path)  # before the run: a bad path must not cost its results
     target, draft = models_or_demo(target, draft)
     warn(pair_warning(target, draft), quiet)
-    drafts = draft is not None or "ngram" in settings.drafters
+    drafts = draft is not None or drafts_without_model(settings.drafters)
     if not drafts and no_baseline:
         raise UsageError("--no-baseline needs a --draft (or --drafter ngram): there would be nothing to run")
     if sweep and not drafts:
@@ -300,7 +301,8 @@ def main(
     cfg = BenchConfig(target=str(target), draft=str(draft) if draft else None, prompts=prompts, settings=settings,
                       ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft, repeat=repeat,
                       baseline=not no_baseline, chat=chat,
-                      engine_options={**placement.engine_options(), "draft_ctx": ctx_draft,
+                      engine_options={**placement.engine_options(), **drafter_engine_options(settings),
+                                      "draft_ctx": ctx_draft,
                                       "draft_threads": threads_draft},
                       extra_settings={"prompt_file": str(prompt_file) if prompt_file else None,
                                       "vram_budget": vram_budget, "main_gpu": main_gpu, "ctx_draft": ctx_draft,

@@ -20,7 +20,7 @@ from ..native.chat import HELP, AnswerProgress, ChatSession, Command, Conversati
     open_chat, panel_data, parse_command
 from ..native.placement import resolve_placement
 from ._common import (AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
-                      draft_for_drafters, DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
+                      draft_for_drafters, drafter_engine_options, DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
                       NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, SeedOpt,
                       settings_from_flags, setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt,
                       ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
@@ -287,7 +287,8 @@ def main(
                                   flash_attn=flash_attn)
     chat = open_chat(str(target), str(draft) if draft else None, template=template, settings=settings,
                      system=system, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
-                     draft_ctx=ctx_draft, draft_threads=threads_draft, **placement.engine_options())
+                     draft_ctx=ctx_draft, draft_threads=threads_draft, **placement.engine_options(),
+                     **drafter_engine_options(settings))
     final = None
     try:
         if sys.stdin.isatty():

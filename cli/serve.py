@@ -12,7 +12,7 @@ import typer
 
 from ..errors import UsageError
 from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
-                      draft_for_drafters, DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
+                      draft_for_drafters, drafter_engine_options, DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
                       NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, settings_from_flags,
                       setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt,
                       Verbose, VramBudgetOpt)
@@ -122,7 +122,8 @@ def main(
                                       cpu_amx=cpu_amx, flash_attn=flash_attn)
         server = open_server(str(target), str(draft) if draft else None, template=template, defaults=defaults,
                              cfg=cfg, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
-                             draft_ctx=ctx_draft, draft_threads=threads_draft, **placement.engine_options())
+                             draft_ctx=ctx_draft, draft_threads=threads_draft, **placement.engine_options(),
+                             **drafter_engine_options(defaults))
         try:
             _route_server_logs(verbose)
             ready = (f"specq serve: {server.state.limits.model_id}"

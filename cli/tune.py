@@ -14,7 +14,9 @@ from ..errors import UsageError
 from ..native.engine import DRAFT_MAX_CAP, Engine
 from ..native.tune import DEFAULT_PROMPTS, TuneResult, calibrate, write_tuned
 from ..native.placement import resolve_placement
-from ._common import (CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DraftOpt, err, handle_errors, MainGpuOpt, models_or_demo,
+from ..native.engine import GenerationSettings
+from ._common import (CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftOpt, draft_for_drafters,
+                      drafter_engine_options, err, handle_errors, MainGpuOpt, models_or_demo,
                       NglDraftOpt, NglOpt, out, PairOpt, Quiet, resolve_pair, setup_logging, TargetOpt, TensorSplitOpt, ThreadsOpt,
                       Verbose, VramBudgetOpt, warn)
 from .checks import check_finite, check_output_path, pair_warning
@@ -63,6 +65,7 @@ def main(
     draft_device: DraftDeviceOpt = None,
     cpu_amx: CpuAmxOpt = False,
     flash_attn: FlashAttnOpt = "auto",
+    drafter: DrafterOpt = "model",
     write: Annotated[bool, typer.Option("--write", help="Store the result as [tuned] in the pair manifest.")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the result as JSON to PATH, or - for stdout.")] = None,
     verbose: Verbose = False,
@@ -79,18 +82,21 @@ def main(
     if write and pair is None:
         raise UsageError("--write needs --pair: the result is stored in the pair's manifest")
     check_output_path("--json", json_out)
+    settings = GenerationSettings(draft_max=draft_max, drafter=drafter).validate()
     target, draft, _ = resolve_pair(pair, target, draft, click_ctx)
     target, draft = models_or_demo(target, draft)
     warn(pair_warning(target, draft), quiet)
-    if draft is None:
-        raise UsageError("tune needs a draft model; pass --draft (or a --pair with a draft)")
-    placement = resolve_placement(str(target), str(draft), ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
+    if draft is None and settings.drafters == ("model",):
+        raise UsageError("tune needs a draft model; pass --draft (or a --pair with a draft, or --drafter ngram/mtp)")
+    draft = draft_for_drafters(settings, draft)
+    placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
                                   device=device, draft_device=draft_device, cpu_amx=cpu_amx,
                                   flash_attn=flash_attn)
     with Engine(target, draft, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
-                **placement.engine_options()) as eng:
-        result = calibrate(eng, DEFAULT_PROMPTS, n_predict=n_predict, draft_max=draft_max, temp=temp)
+                **placement.engine_options(), **drafter_engine_options(settings)) as eng:
+        result = calibrate(eng, DEFAULT_PROMPTS, n_predict=n_predict, draft_max=draft_max, temp=temp,
+                           drafter=drafter)
     if write:
         path = write_tuned(pair, result)
         if not quiet:

@@ -47,6 +47,9 @@ SETTINGS_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "draft_min": ((int,), "an integer"),
     "p_min": (_NUMBER, "a number"),
 }
+OPTIONAL_SETTINGS: dict[str, tuple[tuple[type, ...], str]] = {
+    "drafter": ((str,), "model, ngram, mtp, a comma list of them, or \"auto\""),
+}
 
 
 @dataclass(frozen=True)
@@ -91,10 +94,27 @@ def _check_keys(doc: dict, schema: dict, where: str, optional: dict | None = Non
             raise ManifestError(f"wrong type in preset ({where}: {key} = {v!r}); it must be {what}")
 
 
+def _check_drafter(settings: dict, where: str) -> None:
+    """[settings] drafter (optional): model, ngram, mtp, a comma list of them, or auto."""
+    if "drafter" not in settings:
+        return
+    from ..native.ngram import parse_drafter
+
+    v = settings["drafter"]
+    try:
+        ok = isinstance(v, str) and bool(parse_drafter(v))
+    except UsageError:
+        ok = False
+    if not ok:
+        raise ManifestError(f"preset drafter must be model, ngram, mtp, a comma list of them, or auto "
+                            f"({where}: drafter = {v!r})")
+
+
 def parse_preset(doc: dict, where: str) -> Preset:
     """Validate one parsed preset file; `where` names it in error messages."""
     _check_keys(doc, TOP_KEYS, where, OPTIONAL_KEYS)
-    _check_keys(doc["settings"], SETTINGS_KEYS, f"{where} [settings]")
+    _check_keys(doc["settings"], SETTINGS_KEYS, f"{where} [settings]", OPTIONAL_SETTINGS)
+    _check_drafter(doc["settings"], where)
     if not _NAME.match(doc["name"]):
         raise ManifestError(f"preset name must be lower-case letters, digits, '.', '-' ({where}: {doc['name']!r})")
     for key in ("target", "draft"):

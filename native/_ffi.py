@@ -129,12 +129,14 @@ class Model(_Handle):
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, vocab_only: bool = False,
                  main_gpu: int = 0, tensor_split: list[float] | None = None, devices: list[str] | None = None,
-                 cpu_amx: bool = False, cpu_buffers=None):
-        """`cpu_buffers`: a native.cpu.CpuPolicy to apply instead of this machine's (tests, benchmarks)."""
+                 cpu_amx: bool = False, cpu_buffers=None, load_mtp: bool = False):
+        """`cpu_buffers`: a native.cpu.CpuPolicy to apply instead of this machine's (tests, benchmarks).
+        `load_mtp`: also load the target's NextN/MTP block(s), which llama.cpp skips by default."""
         ensure_backend()
         self.path = check_gguf_file(path)
         params = C.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
+        params.load_mtp = bool(load_mtp)
         params.vocab_only = bool(vocab_only)
         params.main_gpu = int(main_gpu)
         self._split = self._devs = self._overrides = None  # kept alive while llama.cpp may read them
@@ -195,6 +197,15 @@ class Model(_Handle):
     @property
     def n_layer(self) -> int:
         return int(C.llama_model_n_layer(self.handle))
+
+    @property
+    def n_layer_nextn(self) -> int:
+        """NextN/MTP blocks after the trunk (0: the model cannot draft for itself)."""
+        return int(C.llama_model_n_layer_nextn(self.handle))
+
+    @property
+    def n_embd_out(self) -> int:
+        return int(C.llama_model_n_embd_out(self.handle))
 
     @property
     def n_params(self) -> int:
@@ -351,6 +362,18 @@ class Context(_Handle):
         self.n_rs_seq = int(C.llama_n_rs_seq(handle))  # what llama.cpp granted (clamped to 0 if unsupported)
         self.last_decode_pos0 = 0  # first position of the last llama_decode: rollback snapshots cover only it
         self.on_decode = None  # called as on_decode(name, n_tokens, pos0) after each llama_decode (simulated clocks)
+        self.on_hidden = None  # with output_hidden(): called as on_hidden(pos0, rows) after each llama_decode
+
+    def output_hidden(self, on_hidden) -> None:
+        """After each decode, hand the trunk's last hidden state of every batch position (the MTP head's input,
+        n_embd floats a row, no extra logits rows) to on_hidden(pos0, rows): a view valid during the call.
+        None turns the output off."""
+        from llama_cpp import llama_cpp_ext as X
+
+        # unmasked: a row per token, logits or not
+        X.llama_set_embeddings_nextn(self.handle, on_hidden is not None, False)
+        self._n_embd = self.model.n_embd_out
+        self.on_hidden = on_hidden
 
     @property
     def handle(self):
@@ -397,6 +420,8 @@ class Context(_Handle):
             self.n_decode_calls += 1
             if self.on_decode is not None:
                 self.on_decode(self.name, m, pos0 + start)
+            if rc == 0 and self.on_hidden is not None:
+                self.on_hidden(pos0 + start, self._hidden_rows(m))
             if rc != 0:
                 if rc == 1:
                     raise ContextFullError(
@@ -417,6 +442,14 @@ class Context(_Handle):
         arr = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
         arr.flags.writeable = False
         return arr
+
+    def _hidden_rows(self, m: int) -> np.ndarray:
+        from llama_cpp import llama_cpp_ext as X
+
+        ptr = X.llama_get_embeddings_nextn(self.handle)
+        if not ptr:
+            raise SpecqError(f"{self.name}: llama.cpp gave no hidden states for the MTP head")
+        return np.ctypeslib.as_array(ptr, shape=(m, self._n_embd))
 
     # -- memory -------------------------------------------------------------------------------
     def seq_rm(self, p0: int, p1: int = -1) -> bool:
@@ -444,6 +477,118 @@ class Context(_Handle):
         n = C.llama_state_seq_set_data_ext(self.handle, buf, len(data), 0, flags)
         if n == 0:
             raise LlamaCallError("llama_state_seq_set_data_ext", 0, f"{self.name}: {len(data)} bytes not restored")
+
+
+class MtpContext(_Handle):
+    """llama.cpp's MTP context over a target loaded with load_mtp: the NextN block's own KV cache. Each position
+    is fed a token and a hidden-state row (llama_batch_ext); the output row gives logits and the block's own
+    hidden state, which feeds the next drafted position."""
+
+    def __init__(self, model: Model, n_ctx: int, n_threads: int, n_batch: int = 512):
+        from llama_cpp import llama_cpp_ext as X
+
+        self.model = model
+        self.name = "mtp"
+        if model.n_layer_nextn < 1:
+            raise SpecqError(f"the target has no MTP layers ({model.path}); use --drafter model or ngram")
+        params = C.llama_context_default_params()
+        params.n_ctx = int(n_ctx)
+        params.n_batch = params.n_ubatch = int(n_batch)
+        params.n_seq_max = 1
+        params.n_threads = params.n_threads_batch = int(n_threads)
+        params.no_perf = True
+        params.ctx_type = C.LLAMA_CONTEXT_TYPE_MTP
+        handle = C.llama_init_from_model(model.handle, params)
+        if not handle:
+            raise SpecqError(f"llama.cpp could not create an MTP context for {model.path} (n_ctx={n_ctx}); "
+                             "try a smaller --ctx, or --drafter model or ngram")
+        self._h = handle
+        # Unmasked: a state row per batch position. (Masked, qwen35's MTP graph copies the batch's first rows, not
+        # the output rows: its state is taken before the output rows are selected.)
+        X.llama_set_embeddings_nextn(handle, True, False)
+        self.n_ctx = int(C.llama_n_ctx(handle))
+        self.n_batch = int(C.llama_n_batch(handle))
+        self.n_vocab = model.n_vocab
+        self.n_embd = model.n_embd_out
+        self._mem = C.llama_get_memory(handle)
+        self._batch = C.llama_batch_ext_init(handle)
+        self._last_m = 0  # positions in the last llama_process call
+        self.decode_s = 0.0
+        self.n_decode_calls = 0
+        self.on_decode = None
+
+    @property
+    def handle(self):
+        if self._h is None:
+            raise SpecqError("mtp context is closed")
+        return self._h
+
+    def _free(self, handle) -> None:
+        C.llama_batch_ext_free(self._batch)
+        C.llama_free(handle)
+
+    def decode(self, tokens, pos0: int, hidden: np.ndarray, logits_last: bool) -> None:
+        """Evaluate tokens[i] at position pos0+i paired with hidden[i] (float32 rows of n_embd); only the last
+        position's logits and hidden state are output, and only when logits_last."""
+        n = len(tokens)
+        if hidden.shape != (n, self.n_embd):
+            raise SpecqError(f"mtp: {n} tokens need {n} hidden rows of {self.n_embd} ({hidden.shape}); "
+                             "this is a bug in the caller")
+        if pos0 + n > self.n_ctx:
+            raise ContextFullError(f"mtp context is full ({pos0 + n} tokens > ctx {self.n_ctx}); use a larger --ctx")
+        hidden = np.ascontiguousarray(hidden, dtype=np.float32)
+        h, b = self.handle, self._batch
+        fptr = ctypes.POINTER(ctypes.c_float)
+        for start in range(0, n, self.n_batch):
+            m = min(self.n_batch, n - start)
+            C.llama_batch_ext_clear(b)
+            for i in range(start, start + m):
+                idx = C.llama_batch_ext_add_token(b, 0, int(tokens[i]))
+                pos = C.llama_pos(pos0 + i)
+                row = hidden[i]
+                ok = idx >= 0 and C.llama_batch_ext_set_pos(b, idx, ctypes.byref(pos)) and \
+                    C.llama_batch_ext_set_embd_token(b, idx, C.llama_embd(row.ctypes.data_as(fptr), 1, self.n_embd)) \
+                    and C.llama_batch_ext_set_output_logits(b, idx, logits_last and i == n - 1)
+                if not ok:
+                    raise LlamaCallError("llama_batch_ext_add_token", int(idx), f"mtp: token {i} of {n}")
+            t0 = time.perf_counter()
+            self._last_m = m
+            rc = C.llama_process(h, C.LLAMA_PROCESS_TYPE_DECODE, b)
+            self.decode_s += time.perf_counter() - t0
+            self.n_decode_calls += 1
+            if self.on_decode is not None:
+                self.on_decode(self.name, m, pos0 + start)
+            if rc == 2:
+                raise KeyboardInterrupt
+            if rc != 0:
+                raise LlamaCallError("llama_process", rc, f"mtp: batch of {m} at pos {pos0 + start}")
+
+    def logits(self) -> np.ndarray:
+        """A read-only view of the last decode's output row (valid until the next decode)."""
+        ptr = C.llama_get_logits_ith(self.handle, -1)
+        if not ptr:
+            raise SpecqError("mtp: no logits available from the last decode")
+        arr = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        arr.flags.writeable = False
+        return arr
+
+    def hidden(self) -> np.ndarray:
+        """A copy of the block's hidden state at the last decode's output row (the next position's input)."""
+        from llama_cpp import llama_cpp_ext as X
+
+        ptr = X.llama_get_embeddings_nextn_ith(self.handle, self._last_m - 1) if self._last_m else None
+        if not ptr:
+            raise SpecqError("mtp: no hidden state available from the last decode")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
+
+    def seq_rm(self, p0: int, p1: int = -1) -> bool:
+        return bool(C.llama_memory_seq_rm(self._mem, 0, p0, p1))
+
+    def pos_max(self) -> int:
+        return int(C.llama_memory_seq_pos_max(self._mem, 0))
+
+    def clear(self) -> None:
+        C.llama_memory_clear(self._mem, True)
 
 
 def _new_chain():

@@ -21,7 +21,7 @@ that has measurements, its batch verifies shifted by the extra attention of each
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 SHORT_CTX = 384  # contexts below this share one band: attention is a small part of a step there
 
@@ -324,3 +324,100 @@ class AdaptiveDraft:
             verify_ms={b: v * 1e3 for b, v in sorted(self.v_mean.items())}, overhead_ms=self.overhead * 1e3,
             n_ctx=self.n_ctx, n_calibrations=self.n_calibrations,
             best_k=k, n_plain_steps=self.n_plain_steps, n_probes=self.n_probes)
+
+
+class AdaptiveDrafters:
+    """--drafter auto: each step, the drafter (or plain decoding) and the length with the most expected tokens
+    per second. One AdaptiveDraft per drafter holds its acceptance by position and its drafting costs; a shared
+    one holds what every step measures alike, the verify cost by batch size and the per-step overhead. While
+    plain decoding wins, a short probe of the drafter tried least recently runs every `probe_interval` steps
+    (doubling while probes keep failing), so that a drafter whose estimate went stale can come back."""
+
+    def __init__(self, cap: int, cost_ratio_priors: dict[str, float], probe_min: int = 16, probe_max: int = 64,
+                 probe_k: int = 1, **kw):
+        self.cap = cap
+        self.shared = AdaptiveDraft(cap, **kw)
+        self.per: dict[str, AdaptiveDraft] = {}
+        for name, ratio in cost_ratio_priors.items():
+            c = AdaptiveDraft(cap, cost_ratio_prior=ratio, **kw)
+            # one verify model: the target's cost does not depend on the drafter
+            c.verify_s, c.verify_one_s = self.shared.verify_s, self.shared.verify_one_s
+            self.per[name] = c
+        self.probe_min, self.probe_max, self.probe_k = probe_min, probe_max, probe_k
+        self.probe_interval = probe_min
+        self.plain_streak = 0
+        self.n_plain_steps = 0
+        self.n_probes = 0
+        self.last_used = {name: 0 for name in self.per}
+        self.n_steps = 0
+        self.n_chosen = {name: 0 for name in self.per}
+
+    def at(self, n_ctx: int) -> None:
+        """The next steps run at a context of n_ctx tokens (AdaptiveDraft.at, for every drafter)."""
+        for c in (self.shared, *self.per.values()):
+            c.at(n_ctx)
+
+    def calibration_points(self, first: int, last: int, with_draft: bool) -> list[int]:
+        return self.shared.calibration_points(first, last, with_draft)
+
+    def calibrate(self, n_ctx: int, verify_one_s: float, draft_token_s: float | None) -> None:
+        """A prefill's timing at n_ctx: the target's for all, the draft model's for its drafter."""
+        self.shared.calibrate(n_ctx, verify_one_s, None)
+        if draft_token_s is not None and "model" in self.per:
+            self.per["model"].calibrate(n_ctx, verify_one_s, draft_token_s)
+
+    @property
+    def n_calibrations(self) -> int:
+        return self.shared.n_calibrations
+
+    def choose(self, limits: dict[str, int]) -> tuple[str | None, int]:
+        """(drafter, draft length) for the next step, or (None, 0) for plain decoding; limits: the most each
+        available drafter may draft now (an n-gram proposal is only as long as what followed its match)."""
+        self.n_steps += 1
+        sh = self.shared
+        best, best_k, best_rate = None, 0, 1.0 / (sh.verify_s(1) + sh.overhead)
+        for name, limit in limits.items():
+            if limit <= 0:
+                continue
+            c = self.per[name]
+            k, rate = best_draft_length(c.alphas()[:min(limit, self.cap)], c.draft_s(), sh.verify_s, sh.overhead,
+                                        c.first_s())
+            if k > 0 and rate > best_rate:
+                best, best_k, best_rate = name, k, rate
+        if best is not None:
+            self.plain_streak = 0
+            self.probe_interval = self.probe_min
+            return self._use(best), best_k
+        self.plain_streak += 1
+        if self.plain_streak > self.probe_interval:
+            due = [n for n, lim in limits.items() if lim > 0 and self.per[n]._could_pay(min(lim, self.cap))]
+            if due:
+                self.plain_streak = 0
+                self.probe_interval = min(2 * self.probe_interval, self.probe_max)
+                self.n_probes += 1
+                name = min(due, key=lambda n: self.last_used[n])
+                return self._use(name), min(self.probe_k, limits[name], self.cap)
+        self.n_plain_steps += 1
+        return None, 0
+
+    def _use(self, name: str) -> str:
+        self.last_used[name] = self.n_steps
+        self.n_chosen[name] += 1
+        return name
+
+    def observe(self, drafter: str | None, n_drafted: int, n_accepted: int, draft_token_s: float | None,
+                verify_s: float, overhead_s: float, draft_s: float | None = None,
+                first_token_s: float | None = None) -> None:
+        """Record one step (drafter None: plain decoding); the arguments as AdaptiveDraft.observe's."""
+        self.shared.observe(n_drafted, n_accepted, None, verify_s, overhead_s)
+        if drafter is not None and n_drafted:
+            self.per[drafter].observe(n_drafted, n_accepted, draft_token_s, verify_s, overhead_s, draft_s,
+                                      first_token_s)
+
+    def snapshot(self, limit: int | None = None) -> AdaptiveSnapshot:
+        """The snapshot of the drafter chosen most often (costs and plain steps as measured for all)."""
+        name = max(self.n_chosen, key=lambda n: self.n_chosen[n]) if self.per else None
+        snap = (self.per[name] if name else self.shared).snapshot(limit)
+        return replace(snap, verify_ms={b: v * 1e3 for b, v in sorted(self.shared.v_mean.items())},
+                       overhead_ms=self.shared.overhead * 1e3, n_calibrations=self.shared.n_calibrations,
+                       n_plain_steps=self.n_plain_steps, n_probes=self.n_probes)

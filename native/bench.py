@@ -14,6 +14,7 @@ from ..errors import UsageError
 from . import _ffi, placement
 from .cost import pool
 from .engine import Engine, Generation, GenerationSettings, GenerationStats
+from .ngram import drafts_without_model
 
 log = logging.getLogger("specq.bench")
 
@@ -43,7 +44,7 @@ class BenchConfig:
     @property
     def speculative(self) -> bool:
         """Whether there is anything to draft with: a draft model, or n-gram lookup alone."""
-        return self.draft is not None or "ngram" in self.settings.drafters
+        return self.draft is not None or drafts_without_model(self.settings.drafters)
 
     def points(self) -> list[tuple[int, float]]:
         return list(self.sweep) or [(self.settings.draft_max, self.settings.p_min)]

@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 from .. import __version__
 from ..errors import ContextFullError, SpecqError, UsageError
 from .engine import Engine, GenerationSettings, GenerationStats, Rates, TokenEvent
+from .ngram import drafts_without_model
 
 log = logging.getLogger("specq.chat")
 
@@ -251,7 +252,7 @@ class ChatSession:
         eos_text = tgt.token_text(tgt.eos).decode("utf-8", "replace") if tgt.eos >= 0 else ""
         self.formatter = TemplateFormatter(template, self._bos_text, eos_text)
         self.settings = settings.validate()
-        self.speculative = engine.draft is not None or "ngram" in self.settings.drafters
+        self.speculative = engine.draft is not None or drafts_without_model(self.settings.drafters)
         self.system = system
         self.session = engine.session()
         self.messages: list[dict] = []

@@ -16,11 +16,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..errors import ContextFullError, UsageError
+from ..errors import ContextFullError, ModelFileError, UsageError
 from . import _ffi
 from .accept import accepted_per_position, greedy_emit, rejection_emit, top_probability
-from .adaptive import AdaptiveDraft
+from .adaptive import AdaptiveDraft, AdaptiveDrafters
 from .compat import VocabInfo, check_compatible
+from .mtp import MtpDrafter
 from .ngram import parse_drafter, point_mass, propose
 from .sampling import SparseDist, Transform, restrict, sample
 
@@ -68,7 +69,8 @@ class GenerationSettings:
     min_p: float = 0.05
     seed: int = 0
     accept: str = "auto"  # "match" | "rejection" | "auto" (rejection at temp > 0); temp 0 is always greedy
-    drafter: str = "model"  # "model", "ngram" or a comma list ("model,ngram": the n-gram's proposal on a match)
+    drafter: str = "model"  # "model", "ngram", "mtp", a comma list ("model,ngram": the n-gram's proposal on a
+    # match, else the model's) or "auto" (the adaptive controller chooses per step, plain decoding included)
     ngram_min: int = 3  # the shortest ending of the text an n-gram proposal needs to have seen before
     ngram_max: int = 6
 
@@ -122,6 +124,11 @@ class GenerationSettings:
         return self
 
 
+def mtp_option(drafters: tuple[str, ...]) -> bool | None:
+    """Engine(mtp=...) for these drafters: required for mtp, where present for auto, else not loaded."""
+    return True if "mtp" in drafters else (None if drafters == ("auto",) else False)
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     token: int
@@ -168,7 +175,7 @@ class GenerationStats(Rates):
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning
     n_rollbacks: int = 0  # recurrent/hybrid tails dropped through state snapshots (no checkpoint restore)
     n_draft_slides: int = 0  # times the draft's window moved on (a --ctx-draft smaller than --ctx)
-    n_drafted_by: tuple[tuple[str, int], ...] = ()  # per drafter ("model", "ngram")
+    n_drafted_by: tuple[tuple[str, int], ...] = ()  # per drafter ("model", "ngram", "mtp")
     n_accepted_by: tuple[tuple[str, int], ...] = ()
     # The cost model's inputs (native/cost.py): what each step drafted, verified and cost.
     steps_by_k: tuple[tuple[int, int], ...] = ()  # (verified draft length, steps)
@@ -302,14 +309,16 @@ class Engine:
                  draft_devices: list[str] | None = None, draft_ctx: int | None = None,
                  draft_threads: int | None = None, draft_n_batch: int | None = None, cpu_amx: bool = False,
                  clock: Callable[[], float] | None = None, rollback_tokens: int = AUTO_DRAFT_CAP,
-                 flash_attn: str = "auto", draft_flash_attn: str | None = None):
+                 flash_attn: str = "auto", draft_flash_attn: str | None = None, mtp: bool | None = False):
         """Each model gets its own context size, batch size, threads and GPU layers (the draft's default to
         the target's); generation stops at the smaller context, since the draft holds the same tokens.
         `cpu_amx` lets llama.cpp use its AMX weight buffer, which crashes on some builds (native/cpu.py).
         `clock` times the steps (default time.perf_counter); a SimulatedClock makes timings deterministic.
         `rollback_tokens`: on a recurrent/hybrid target, how many rejected tokens a verify can roll back through
         llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it.
-        `flash_attn`/`draft_flash_attn`: on, off or auto (llama.cpp's choice); placement.choose_flash_attn picks."""
+        `flash_attn`/`draft_flash_attn`: on, off or auto (llama.cpp's choice); placement.choose_flash_attn picks.
+        `mtp`: True loads the target's MTP head as a drafter (a target without one is refused), None loads it
+        where the target has one (--drafter auto), False never."""
         for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx, 16), ("--threads", threads, 1),
                                ("--threads-draft", draft_threads, 1)):
             if v is not None and v < least:
@@ -317,9 +326,13 @@ class Engine:
         self.threads = threads or physical_cores()
         self.draft_threads = draft_threads or self.threads
         self.target = _ffi.Model(target, n_gpu_layers=ngl, main_gpu=main_gpu, tensor_split=tensor_split,
-                                 devices=devices, cpu_amx=cpu_amx)
+                                 devices=devices, cpu_amx=cpu_amx, load_mtp=mtp is not False)
         self.draft = None
+        self.mtp_ctx = None
         try:
+            if mtp is True and self.target.n_layer_nextn < 1:
+                raise ModelFileError(f"the target has no MTP layers ({self.target.path}); use --drafter model or "
+                                     "ngram, or a target converted with its MTP head")
             if draft is not None:
                 self.draft = _ffi.Model(draft, n_gpu_layers=ngl_draft, main_gpu=main_gpu,
                                         tensor_split=draft_tensor_split, devices=draft_devices, cpu_amx=cpu_amx)
@@ -333,6 +346,8 @@ class Engine:
                                          n_batch=draft_n_batch or n_batch, n_outputs_max=1, name="draft",
                                          flash_attn=draft_flash_attn or flash_attn)
                             if self.draft is not None else None)
+            if mtp is not False and self.target.n_layer_nextn > 0:
+                self.mtp_ctx = _ffi.MtpContext(self.target, ctx, self.threads, n_batch=n_batch)
         except BaseException:
             self.close()
             raise
@@ -348,9 +363,20 @@ class Engine:
         self.n_ctx = self.tgt_ctx.n_ctx
         self.clock = clock or time.perf_counter
         if isinstance(clock, SimulatedClock):
-            for c in (self.tgt_ctx, self.dft_ctx):
+            for c in (self.tgt_ctx, self.dft_ctx, self.mtp_ctx):
                 if c is not None:
                     c.on_decode = clock.on_decode
+
+    def check_drafters(self, s: GenerationSettings) -> None:
+        """Refuse drafters this engine cannot run: a model without a draft, an MTP head the target lacks."""
+        names = s.drafters
+        if "mtp" in names and self.mtp_ctx is None:
+            if self.target.n_layer_nextn < 1:
+                raise ModelFileError(f"the target has no MTP layers ({self.target.path}); use --drafter model or "
+                                     "ngram, or a target converted with its MTP head")
+            raise UsageError("--drafter mtp needs the engine loaded with its MTP head (Engine(..., mtp=True))")
+        if "model" in names and self.draft is None:
+            raise UsageError("speculative decoding needs a draft model; pass --draft (or --drafter ngram or mtp)")
 
     def info(self, which: str = "target") -> ModelInfo:
         m = self.target if which == "target" else self.draft
@@ -363,7 +389,7 @@ class Engine:
         return Session(self)
 
     def close(self) -> None:
-        for name in ("dft_ctx", "tgt_ctx"):
+        for name in ("mtp_ctx", "dft_ctx", "tgt_ctx"):
             c = getattr(self, name, None)
             if c is not None:
                 c.close()
@@ -386,7 +412,7 @@ class _Step:
     verify_s: float
     first_token_s: float | None = None  # seconds to the first drafted token (catch-up included), where clean
     draft_token_s: float | None = None  # seconds per further drafted token, where measured
-    drafter: str | None = None  # who proposed this step's drafts ("model", "ngram")
+    drafter: str | None = None  # who proposed this step's drafts ("model", "ngram", "mtp")
 
 
 class _Sampling:
@@ -417,18 +443,34 @@ class Session:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.history: list[int] = []
-        self._controllers: dict[tuple, AdaptiveDraft] = {}
+        self._controllers: dict[tuple, AdaptiveDraft | AdaptiveDrafters] = {}
         self.n_draft_slides = 0  # times the draft's window moved on (a smaller --ctx-draft)
         self.tgt = _Cache(engine.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
         self.dft = (_Cache(engine.dft_ctx, partial_rm=not engine.draft.is_recurrent_or_hybrid)
                     if engine.dft_ctx is not None else None)
+        self.mtp = MtpDrafter(engine.mtp_ctx, self.history) if engine.mtp_ctx is not None else None
         self.reset()
 
     def reset(self) -> None:
-        self.history = []
-        for c in (self.tgt, self.dft):
+        self.history.clear()  # cleared in place: the MTP drafter reads the same list
+        for c in (self.tgt, self.dft, self.mtp):
             if c is not None:
                 c.clear()
+
+    def _attach_mtp(self, on: bool) -> None:
+        """Route the target's hidden states to this session's MTP drafter (the engine's contexts are shared), or
+        stop them where no step can draft with it (the target alone pays nothing for the head). Rows missed
+        meanwhile are evaluated again when the head next drafts (MtpDrafter.missing_from)."""
+        want = self.mtp.on_hidden if on and self.mtp is not None else None
+        if self.engine.tgt_ctx.on_hidden != want:
+            self.engine.tgt_ctx.output_hidden(want)
+
+    def available_drafters(self, s: GenerationSettings) -> tuple[str, ...]:
+        """The drafters a step may use: --drafter's list, or for auto every one this engine can run."""
+        if s.drafters == ("auto",):
+            return tuple(n for n, ok in (("ngram", True), ("model", self.dft is not None),
+                                         ("mtp", self.mtp is not None)) if ok)
+        return s.drafters
 
     @property
     def n_ctx(self) -> int:
@@ -444,7 +486,7 @@ class Session:
         """Recurrent/hybrid tails dropped through state snapshots so far, both models."""
         return sum(c.n_rollbacks for c in (self.tgt, self.dft) if c is not None)
 
-    def controller(self, s: GenerationSettings) -> AdaptiveDraft:
+    def controller(self, s: GenerationSettings) -> AdaptiveDraft | AdaptiveDrafters:
         """The draft_max="auto" controller for these sampling settings. It lives as long as the session
         (reset() included): costs and acceptance belong to the pair and the machine, not to one prompt, so
         later generations start from what earlier ones measured instead of from a prior."""
@@ -453,11 +495,55 @@ class Session:
             eng = self.engine
             # an n-gram lookup costs next to nothing; a model about its share of the target's bytes
             ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1) if eng.draft is not None else 0.01
-            self._controllers[key] = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio,
-                                                   attention_prior=eng.target.attention_per_context_token())
+            attention = eng.target.attention_per_context_token()
+            if s.drafters == ("auto",):
+                self._controllers[key] = AdaptiveDrafters(s.draft_cap, {n: self._cost_prior(n) for n in
+                                                                        self.available_drafters(s)},
+                                                          attention_prior=attention)
+            else:
+                self._controllers[key] = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio, attention_prior=attention)
         return self._controllers[key]
 
+    def _cost_prior(self, name: str) -> float:
+        """A drafter's cost per token before any is measured, as a share of one target token."""
+        eng = self.engine
+        if name == "model":
+            return eng.draft.size_bytes / max(eng.target.size_bytes, 1)
+        if name == "mtp":  # one decoder layer of the target's, and its output head
+            return min(1.0, 2.0 / max(eng.target.n_layer, 1))
+        return 0.01
+
+    def _auto_limits(self, s: GenerationSettings, n_draft_max: int) -> dict[str, int]:
+        """--drafter auto: the most each available drafter could draft this step (an n-gram proposal exists only
+        on a match, and is as long as what followed it)."""
+        limits = {}
+        for name in self.available_drafters(s):
+            if name == "ngram":
+                limits[name] = len(propose(self.history, s.ngram_min, s.ngram_max, n_draft_max))
+            else:
+                limits[name] = n_draft_max
+        return limits
+
     # ==== the speculative step ================================================================
+    def _pick(self, row: np.ndarray, p_min: float, samp: "_Sampling") -> tuple[int, SparseDist | None] | None:
+        """The next draft token from a drafter's logits row (greedy, or sampled from its transformed distribution
+        under rejection), or None to stop drafting (top probability below p_min, or an id the target lacks)."""
+        n_vocab_tgt = self.engine.target.n_vocab
+        if samp.draft_tf is None:
+            tok = int(row.argmax())
+            if tok >= n_vocab_tgt or (p_min > 0 and top_probability(row) < p_min):
+                return None
+            return tok, None
+        # Sample only ids the target has (renormalised): stopping on a sampled id it lacks would make the stop
+        # depend on the sampled value and bias the output law.
+        clock = self.engine.clock
+        ts = clock()
+        q = restrict(samp.draft_tf(row), n_vocab_tgt)
+        stop = q is None or (p_min > 0 and q.top_prob() < p_min)
+        tok = -1 if stop else sample(q, samp.rng)
+        samp.sample_s += clock() - ts
+        return None if stop else (tok, q)
+
     def _draft(self, n_max: int, p_min: float, samp: "_Sampling") -> tuple[list[int], list[SparseDist], tuple]:
         """Draft up to n_max tokens: greedy, or sampled from the draft's transformed distribution (rejection).
 
@@ -474,51 +560,76 @@ class Session:
         dft.extend(self.history[seen:], logits="last")  # catch up, incl. the last token
         dft.save_checkpoint()
         t_loop = clock()
-        n_vocab_tgt = self.engine.target.n_vocab
         drafts: list[int] = []
         dists: list[SparseDist] = []
         while True:
-            row = dft.ctx.logits(1)[0]
-            if samp.draft_tf is None:
-                tok = int(row.argmax())
-                if tok >= n_vocab_tgt or (p_min > 0 and top_probability(row) < p_min):
-                    break
-            else:
-                # Sample only ids the target has (renormalised): stopping on a sampled id it lacks would make
-                # the stop depend on the sampled value and bias the output law.
-                ts = clock()
-                q = restrict(samp.draft_tf(row), n_vocab_tgt)
-                stop = q is None or (p_min > 0 and q.top_prob() < p_min)
-                tok = -1 if stop else sample(q, samp.rng)
-                samp.sample_s += clock() - ts
-                if stop:
-                    break
-                dists.append(q)
-            drafts.append(tok)
+            got = self._pick(dft.ctx.logits(1)[0], p_min, samp)
+            if got is None:
+                break
+            drafts.append(got[0])
+            if got[1] is not None:
+                dists.append(got[1])
             if len(drafts) >= n_max:
                 break
-            dft.extend([tok], logits="last")
+            dft.extend([got[0]], logits="last")
         # first + (k-1)·per_token is the step's drafting time: the catch-up decode yields the first token
         first = t_loop - t_start if drafts and catchup <= 2 else None
         per_token = (clock() - t_loop) / (len(drafts) - 1) if len(drafts) >= 2 else None
         return drafts, dists, (first, per_token)
 
-    def _propose(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int) -> tuple:
+    def _draft_mtp(self, n_max: int, p_min: float, samp: "_Sampling") -> tuple[list[int], list[SparseDist], tuple]:
+        """Draft with the target's MTP head, as _draft does with a draft model (same picking, same timings)."""
+        mtp, clock = self.mtp, self.engine.clock
+        a = mtp.missing_from()
+        if a is not None:  # the trunk rows from there were dropped (a rollback): the target evaluates them again
+            self.tgt.truncate(a)
+            self.tgt.extend(self.history[len(self.tgt.tokens):-1], logits="none")
+            mtp.n_redecodes += 1
+        if len(self.history) - len(mtp.tokens) > 2:  # a long catch-up (after plain steps) is prefill-like:
+            mtp.catch_up(len(self.history) - 1)      # decoded apart, so the first token's cost stays clean
+        t_first = clock()
+        mtp.begin()
+        t_loop = clock()
+        drafts: list[int] = []
+        dists: list[SparseDist] = []
+        try:
+            while True:
+                got = self._pick(mtp.ctx.logits(), p_min, samp)
+                if got is None:
+                    break
+                drafts.append(got[0])
+                if got[1] is not None:
+                    dists.append(got[1])
+                if len(drafts) >= n_max:
+                    break
+                mtp.advance(got[0], len(drafts))
+        finally:
+            mtp.end()
+        first = t_loop - t_first if drafts else None
+        per_token = (clock() - t_loop) / (len(drafts) - 1) if len(drafts) >= 2 else None
+        return drafts, dists, (first, per_token)
+
+    def _propose(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int,
+                 drafters: tuple[str, ...] | None = None) -> tuple:
         """(drafts, their distributions in rejection mode, draft costs, drafter) from the first drafter with a
-        proposal: an n-gram match in the text so far, or the draft model."""
-        for name in s.drafters if n_draft_max > 0 else ():
+        proposal: an n-gram match in the text so far, the draft model or the target's MTP head."""
+        names = self.available_drafters(s) if drafters is None else drafters
+        for name in names if n_draft_max > 0 else ():
             if name == "ngram":
                 drafts = propose(self.history, s.ngram_min, s.ngram_max, n_draft_max)
                 if drafts:
                     return drafts, [point_mass(t) for t in drafts] if samp.draft_tf else [], (None, None), name
-            elif self.dft is not None:
+            elif name == "mtp" and self.mtp is not None:
+                return (*self._draft_mtp(n_draft_max, s.p_min, samp), name)
+            elif name == "model" and self.dft is not None:
                 return (*self._draft(n_draft_max, s.p_min, samp), name)
         return [], [], (None, None), None
 
-    def _step(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int) -> "_Step":
+    def _step(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int,
+              drafters: tuple[str, ...] | None = None) -> "_Step":
         clock = self.engine.clock
         t0 = clock()
-        drafts, q, costs, drafter = self._propose(s, samp, n_draft_max)
+        drafts, q, costs, drafter = self._propose(s, samp, n_draft_max, drafters)
         if len(drafts) < s.draft_min:
             drafts, q, drafter = [], [], None
         t1 = clock()
@@ -550,6 +661,8 @@ class Session:
             if len(self.history) <= self.dft.offset:
                 self.dft.clear()  # rolled back past the draft's window: it starts again from the beginning
             self.dft.truncate(_common_prefix(self.dft.tokens, self.history[self.dft.offset:]))
+        if self.mtp is not None:
+            self.mtp.truncate(_common_prefix(self.mtp.tokens, self.history))
 
     def _fit_draft(self, n_tokens: int) -> None:
         """Move the draft's window on, if it has one, so that it can hold the history's first n_tokens tokens:
@@ -615,8 +728,8 @@ class Session:
     def generate(self, new_tokens: list[int], settings: GenerationSettings,
                  speculative: bool = True) -> "Generation":
         settings.validate()
-        if speculative and self.dft is None and "ngram" not in settings.drafters:
-            raise UsageError("speculative decoding needs a draft model; pass --draft (or --drafter ngram)")
+        if speculative:
+            self.engine.check_drafters(settings)
         return Generation(self, new_tokens, settings, speculative)
 
 
@@ -715,7 +828,9 @@ class Generation:
     def __iter__(self) -> Iterator[TokenEvent]:
         ses, s, p = self.session, self.settings, self._p
         eng = ses.engine
-        ctrl = ses.controller(s) if self.speculative and s.adaptive else None
+        auto_drafter = s.drafters == ("auto",)
+        ctrl = ses.controller(s) if self.speculative and (s.adaptive or auto_drafter) else None
+        ses._attach_mtp(self.speculative and any(n in ("mtp", "auto") for n in s.drafters))
         self.controller = ctrl
         with_draft = ses.dft is not None and "model" in s.drafters
         tp0 = self._clock()
@@ -746,6 +861,7 @@ class Generation:
                     stop = "ctx"
                     break
                 n_draft_max = 0
+                drafters = None  # None: --drafter's list; auto names this step's choice (() for plain decoding)
                 if self.speculative:
                     n_draft_max = min(s.draft_cap, ses.n_ctx - len(ses.history) - 1)
                     if remaining is not None:
@@ -753,8 +869,12 @@ class Generation:
                     if ctrl is not None:
                         t_step = self._clock()
                         ctrl.at(len(ses.history))
-                        n_draft_max = ctrl.choose(n_draft_max)
-                step = ses._step(s, samp, max(n_draft_max, 0))
+                        if auto_drafter:
+                            name, n_draft_max = ctrl.choose(ses._auto_limits(s, max(n_draft_max, 0)))
+                            drafters = (name,) if name else ()
+                        else:
+                            n_draft_max = ctrl.choose(n_draft_max)
+                step = ses._step(s, samp, max(n_draft_max, 0), drafters)
                 p.n_steps += 1
                 p.draft_s += step.draft_s
                 p.verify_s += step.verify_s
@@ -785,9 +905,12 @@ class Generation:
                     p.record_costs(step, len(events))
                 ses._rewind()
                 if ctrl is not None:
-                    ctrl.observe(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
-                                 self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s,
-                                 step.first_token_s)
+                    args = (step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
+                            self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s, step.first_token_s)
+                    if auto_drafter:
+                        ctrl.observe(step.drafter, *args)
+                    else:
+                        ctrl.observe(*args)
                 yield from events
                 if done:
                     stop = done

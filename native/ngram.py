@@ -13,19 +13,30 @@ import numpy as np
 
 from .sampling import SparseDist
 
-DRAFTERS = ("model", "ngram")  # --drafter takes one of these or a comma list (model,ngram: n-gram first)
+DRAFTERS = ("model", "ngram", "mtp")  # --drafter takes one of these, a comma list (n-gram first), or auto
 
 
 def parse_drafter(text: str) -> tuple[str, ...]:
-    """--drafter model | ngram | model,ngram → the drafters in the order they are tried."""
+    """--drafter model | ngram | mtp | a comma list | auto → the drafters in the order they are tried
+    (("auto",) for auto: the adaptive controller chooses among the available ones each step)."""
     from ..errors import UsageError
 
     names = tuple(x.strip() for x in str(text).split(",") if x.strip())
+    if names == ("auto",):
+        return names
     if not names or any(n not in DRAFTERS for n in names) or len(set(names)) != len(names):
-        raise UsageError(f"--drafter must be model, ngram or a comma list of them ({text}); the MTP and "
-                         "adaptive drafters are not available in this version")
-    # A model proposal always exists, an n-gram one only on a match: the n-gram goes first in a list.
+        raise UsageError(f"--drafter must be model, ngram, mtp, a comma list of them, or auto ({text})")
+    # A model's (or MTP head's) proposal always exists, an n-gram one only on a match: the n-gram goes first.
     return tuple(sorted(names, key=lambda n: n != "ngram"))
+
+
+def needs_draft_model(drafters: tuple[str, ...]) -> bool:
+    return "model" in drafters
+
+
+def drafts_without_model(drafters: tuple[str, ...]) -> bool:
+    """Whether these drafters can speculate with no draft model loaded (n-gram lookup, the MTP head, auto)."""
+    return any(n in ("ngram", "mtp", "auto") for n in drafters)
 
 
 def propose(tokens: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:

@@ -101,7 +101,8 @@ class ServerState:
         eos_text = tgt.token_text(tgt.eos).decode("utf-8", "replace") if tgt.eos >= 0 else ""
         # A model without a chat template still serves /v1/completions.
         self.formatter = TemplateFormatter(template, self.bos_text, eos_text) if template else None
-        self.limits = Limits(max_tokens=cfg.max_tokens, model_id=model_name, draft=engine.draft is not None)
+        self.limits = Limits(max_tokens=cfg.max_tokens, model_id=model_name, draft=engine.draft is not None,
+                             mtp=getattr(engine, "mtp_ctx", None) is not None)
         from .serve_metrics import ServerMetrics
 
         self.metrics = ServerMetrics()

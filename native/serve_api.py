@@ -63,6 +63,7 @@ class Limits:
     max_tokens: int
     model_id: str
     draft: bool  # the server has a draft model (drafter "model" needs one)
+    mtp: bool = False  # the server loaded the target's MTP head (drafter "mtp" needs it)
 
 
 @dataclass(frozen=True)
@@ -182,16 +183,20 @@ def parse_sampling(body: dict, limits: Limits) -> dict:
 
 
 def parse_drafter_field(drafter: Any, limits: Limits) -> str:
-    """`drafter`: model, ngram or a comma list; "model" only where the server loaded a draft model."""
+    """`drafter`: model, ngram, mtp, a comma list or auto; "model" only where the server loaded a draft model,
+    "mtp" only where it loaded the target's MTP head."""
     try:
         names = parse_drafter(drafter) if isinstance(drafter, str) else None
     except UsageError:
         names = None
     if names is None:
-        raise bad(f"'drafter' must be \"model\", \"ngram\" or a comma list of them (got {json.dumps(drafter)})",
-                  "drafter")
+        raise bad(f"'drafter' must be \"model\", \"ngram\", \"mtp\", a comma list of them, or \"auto\" "
+                  f"(got {json.dumps(drafter)})", "drafter")
     if "model" in names and not limits.draft:
         raise bad("'drafter' \"model\" needs a draft model and this server has none; use \"ngram\"", "drafter")
+    if "mtp" in names and not limits.mtp:
+        raise bad("'drafter' \"mtp\" needs the target's MTP head and this server did not load one (start it with "
+                  "--drafter mtp or auto on a target that has one); use \"ngram\"", "drafter")
     return drafter
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..errors import SpecqError
 from .engine import Engine, GenerationSettings
+from .ngram import drafts_without_model
 from .serve_api import ApiError, Outcome
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ class Worker:
         ses = self.session
         n_reused = reused_prefix(ses.tgt.tokens, job.prompt)  # what prefill will keep of the target's cache
         del ses.history[:]  # the prompt replaces the history; prefill keeps the shared cached prefix
-        speculative = self.engine.draft is not None or "ngram" in job.settings.drafters
+        speculative = self.engine.draft is not None or drafts_without_model(job.settings.drafters)
         gen = ses.generate(job.prompt, job.settings, speculative=speculative)
         matcher = StopMatcher(job.stops)
         n_kept = 0

@@ -35,6 +35,7 @@ class TuneResult:
     recommended_draft_max: int  # 0: plain decoding is faster with this pair on this machine
     predicted_speedup: float
     temp: float
+    drafter: str = "model"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -51,6 +52,7 @@ class TuneResult:
             "accept_by_pos": ",".join(f"{a:.3f}" for a in self.accept_by_pos),
             "verify_ms": ",".join(f"{b}:{v:.3f}" for b, v in self.verify_ms.items()),
             "target_ms": round(self.target_ms, 4), "draft_ms": round(self.draft_ms, 4),
+            "drafter": self.drafter,
         }
 
 
@@ -77,25 +79,31 @@ def measure_costs(eng: Engine, prompt: list[int], max_batch: int, reps: int = 5)
 
     verify = {b: _median_ms(lambda b=b: timed(tgt, filler[:b], n, "all"), reps)
               for b in sorted({1, 2, 3, 5, 9, 17, max_batch} & set(range(1, max_batch + 1)))}
+    if dft is None:  # no draft model: the drafters' own cost comes from the calibration runs
+        return verify, None
     dft.extend(ses.history[len(dft.tokens):], logits="last")
     m = len(dft.tokens)
     return verify, _median_ms(lambda: timed(dft, [prompt[-1]], m, "last"), reps * 2)
 
 
 def calibrate(eng: Engine, prompts: tuple[str, ...] = DEFAULT_PROMPTS, n_predict: int = 64, draft_max: int = 8,
-              temp: float = 0.0, seed: int = 0) -> TuneResult:
-    """Run the calibration on a loaded pair (target + draft)."""
+              temp: float = 0.0, seed: int = 0, drafter: str = "model") -> TuneResult:
+    """Run the calibration on a loaded pair (target + draft), or the target with another drafter (--drafter):
+    with no draft model, the draft cost per token is the drafting time of the runs over the tokens drafted."""
     toks = [eng.tokenize(p) for p in prompts]
     verify, draft_ms = measure_costs(eng, toks[0], draft_max + 1)
     steps = drafted = accepted = 0
+    drafting_ms = 0.0
     at_least = [0] * draft_max
-    settings = GenerationSettings(n_predict=n_predict, draft_max=draft_max, temp=temp, seed=seed)
+    settings = GenerationSettings(n_predict=n_predict, draft_max=draft_max, temp=temp, seed=seed,
+                                  drafter=drafter).validate()
     for t in toks:
         g = eng.session().generate(t, settings).run()
         st = g.stats
         steps += st.n_steps
         drafted += st.n_drafted
         accepted += st.n_accepted
+        drafting_ms += st.draft_ms
         at_least = [a + b for a, b in zip(at_least, st.accepted_per_pos)]
         log.debug("calibration run: %d steps, accept %.2f", st.n_steps, st.accept_rate or 0.0)
     # conditional acceptance: P(position i accepted | i-1 accepted); near the end some drafts are shorter
@@ -114,12 +122,14 @@ def calibrate(eng: Engine, prompts: tuple[str, ...] = DEFAULT_PROMPTS, n_predict
             return lo[1] / 1e3
         return (lo[1] + (hi[1] - lo[1]) * (b - lo[0]) / (hi[0] - lo[0])) / 1e3
 
+    if draft_ms is None:
+        draft_ms = drafting_ms / drafted if drafted else 0.0
     k, rate = best_draft_length(alphas, draft_ms / 1e3, verify_s)
     plain = 1.0 / verify_s(1)
     return TuneResult(
         accept_by_pos=tuple(alphas), accept_rate=accepted / drafted if drafted else None,
         target_ms=verify[1], draft_ms=draft_ms, cost_ratio=draft_ms / verify[1], verify_ms=verify,
-        recommended_draft_max=k, predicted_speedup=rate / plain, temp=temp)
+        recommended_draft_max=k, predicted_speedup=rate / plain, temp=temp, drafter=drafter)
 
 
 def ideal_speedup_table(alpha: float, cost_ratio: float, ks=(1, 2, 4, 8)) -> dict[int, float]:

@@ -32,7 +32,8 @@ def test_propose_follows_the_latest_longest_match():
 def test_parse_drafter_orders_ngram_first_and_refuses_the_rest():
     assert parse_drafter("model") == ("model",)
     assert parse_drafter("model,ngram") == ("ngram", "model") == parse_drafter("ngram, model")
-    for bad in ("mtp", "auto", "model,model", "", "ngram,bogus"):
+    assert parse_drafter("mtp, ngram") == ("ngram", "mtp") and parse_drafter("auto") == ("auto",)
+    for bad in ("auto,ngram", "model,model", "", "ngram,bogus", "MTP"):
         with pytest.raises(UsageError, match="--drafter"):
             parse_drafter(bad)
     with pytest.raises(UsageError, match="--ngram-min"):
@@ -94,7 +95,7 @@ def test_bench_with_ngram_alone_needs_no_draft_and_reports_per_drafter(tiny_targ
     assert doc["summary"]["identical_output"] is True
 
 
-@pytest.mark.parametrize("args, phrase", [(["--drafter", "mtp"], "--drafter"),
+@pytest.mark.parametrize("args, phrase", [(["--drafter", "bogus"], "--drafter"),
                                           (["--drafter", "model,ngram"], "needs a --draft"),
                                           (["--drafter", "ngram", "--ngram-min", "0"], "--ngram-min")])
 def test_bad_drafter_flags_are_usage_errors(tiny_target, args, phrase):

@@ -217,9 +217,11 @@ class TinyQwen35Spec:
         return (il + 1) % self.full_attention_interval == 0
 
 
-def qwen35_weights(spec: TinyQwen35Spec, n_vocab: int, seed: int, with_mtp: bool) -> dict[str, np.ndarray]:
+def qwen35_weights(spec: TinyQwen35Spec, n_vocab: int, seed: int, with_mtp: bool,
+                   mtp_bigram: bool = False) -> dict[str, np.ndarray]:
     """Random Qwen3.5 weights in GGUF layout (numpy shape = reversed ggml shape). The MTP block is drawn
-    after the trunk, so a model with and one without it share their trunk weights."""
+    after the trunk, so a model with and one without it share their trunk weights. mtp_bigram: see
+    write_tiny_qwen35."""
     rng = np.random.default_rng(seed)
     d, ff, hd = spec.n_embd, spec.n_ff, spec.head_dim
     kd = spec.linear_head_dim * spec.linear_k_heads   # key_dim of the linear layers
@@ -278,11 +280,26 @@ def qwen35_weights(spec: TinyQwen35Spec, n_vocab: int, seed: int, with_mtp: bool
         w[b + "nextn.enorm.weight"] = norm(d)
         w[b + "nextn.hnorm.weight"] = norm(d)
         w[b + "nextn.shared_head_norm.weight"] = norm(d)
+        if mtp_bigram:
+            # the block mostly passes the token's embedding to the shared output head (a bigram guess), with a
+            # part of the trunk's hidden state mixed in, so that the state it is paired with changes its output
+            w[b + "nextn.eh_proj.weight"][:, :d] = np.eye(d, dtype=np.float32)
+            w[b + "nextn.eh_proj.weight"][:, d:] *= 0.3
+            w[b + "attn_output.weight"] *= 0.1
+            w[b + "ffn_down.weight"] *= 0.1
+    if mtp_bigram:
+        # a trunk whose layers add less to the embedding: its next token often follows the current one's bigram
+        # guess, and still depends on the context
+        for k in w:
+            if k.startswith("blk.") and int(k.split(".")[1]) < spec.n_layer and k.endswith(
+                    ("ffn_down.weight", "ssm_out.weight", "attn_output.weight")):
+                w[k] = w[k] * np.float32(0.3)
     return w
 
 
 def write_tiny_qwen35(path: str | Path, seed: int = 0, n_layer: int = 4, noise_from: tuple[int, float] | None = None,
-                      with_mtp: bool = False, spec: TinyQwen35Spec | None = None, eos_id: int = 0) -> Path:
+                      with_mtp: bool = False, spec: TinyQwen35Spec | None = None, eos_id: int = 0,
+                      mtp_bigram: bool = False) -> Path:
     """Write a tiny hybrid Qwen3.5 GGUF (llama.cpp arch `qwen35`, F32) with the tiny llama models' vocabulary.
 
     llama.cpp gives it hybrid memory: recurrent state for the linear-attention layers, a KV cache for the
@@ -290,14 +307,16 @@ def write_tiny_qwen35(path: str | Path, seed: int = 0, n_layer: int = 4, noise_f
     (seeded by `seed`) on every matrix, a draft that often agrees. with_mtp: one NextN (MTP) block as layer
     n_layer, counted in block_count and announced by nextn_predict_layers; llama.cpp skips it unless the model
     is loaded with load_mtp. `spec`, when given, sets every shape (its n_layer wins over `n_layer`).
+    mtp_bigram: an MTP block that drafts useful tokens (it mostly maps the token to its bigram guess through the
+    shared output head) and a trunk with scaled-down layers that often agrees with it (about 40% greedy).
     """
     path = Path(path)
     spec = spec or TinyQwen35Spec(n_layer=n_layer)
     tokens, merges = vocab(spec.n_merges)
     n_vocab = len(tokens)
-    w = qwen35_weights(spec, n_vocab, noise_from[0] if noise_from else seed, with_mtp)
+    w = qwen35_weights(spec, n_vocab, noise_from[0] if noise_from else seed, with_mtp, mtp_bigram)
     if noise_from is not None:
-        noise = qwen35_weights(spec, n_vocab, seed, with_mtp)
+        noise = qwen35_weights(spec, n_vocab, seed, with_mtp, mtp_bigram)
         w = {k: (v + noise_from[1] * noise[k] if v.ndim == 2 else v) for k, v in w.items()}
 
     arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN35]

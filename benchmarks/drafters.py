@@ -1,0 +1,153 @@
+"""Drafters against the target alone: model, ngram, model+ngram and auto (and mtp on a target with an MTP head).
+
+    python benchmarks/drafters.py [--sets general,copy] [--n-predict 256] [--repeat 3] [--threads 2]
+        [--draft-max auto] [--limit-prompts N] [--target T.gguf --draft D.gguf | --no-draft] [--out results.json]
+
+Default pair: the demo pair (SmolLM2-135M-Instruct F32 target, its Q4_1 draft). Prompt sets:
+  general: the built-in prompt set (code, chat, reasoning, Chinese, a long-document summary)
+  copy:    benchmarks/prompts/copy_heavy.jsonl, editing and summarising tasks whose answers copy from the prompt
+Each prompt runs as one chat turn. Within a repeat, every prompt runs every mode, target alone included, in an
+order that rotates with the repeat (alternating runs); each mode keeps one session for the whole benchmark, so
+the adaptive controller (draft-max auto, drafter auto) keeps what it learned across prompts, as in chat. A mode's
+rate in a repeat is its generated tokens over its generation time summed over the set's prompts; the medians over
+repeats are compared, each against the target alone of the same run.
+
+A target with an MTP head (e.g. Qwen3.6-27B converted with its MTP layers; none can be downloaded on the dev
+machines) adds the `mtp` and `mtp,ngram` modes, and `auto` chooses among model, ngram and mtp:
+    python benchmarks/drafters.py --target qwen3.6-27b-mtp.Q4_K_M.gguf --draft qwen3.5-0.8b.Q8_0.gguf --ngl 99 \\
+        --ngl-draft 99 --out benchmarks/results/drafters-mtp-<gpu>.json
+(or --no-draft for ngram, mtp and auto without a draft model); benchmarks/drafters_gpu.sh runs it on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+from specq.native import _ffi, placement
+from specq.native.bench import load_prompt_set, prompt_tokens, read_prompt_set, run_record, BenchConfig
+from specq.native.demo import demo_pair
+from specq.native.engine import Engine, GenerationSettings
+
+HERE = Path(__file__).parent
+SETS = {"general": None, "copy": HERE / "prompts" / "copy_heavy.jsonl"}
+
+
+def machine() -> dict:
+    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    return {"cpu": model, "logical_cpus": __import__("os").cpu_count(), "python": platform.python_version(),
+            "llama_cpp_python": _ffi.llama_cpp_python_version(), "gpu_offload": _ffi.supports_gpu_offload()}
+
+
+def load_set(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    path = SETS[name]
+    if path is None:
+        return load_prompt_set("default")
+    return read_prompt_set(path.read_text(encoding="utf-8"))
+
+
+def modes_for(has_draft: bool, has_mtp: bool) -> list[str]:
+    """The drafters to compare (each against "baseline", the target alone)."""
+    modes = ["model", "ngram", "model,ngram"] if has_draft else ["ngram"]
+    if has_mtp:
+        modes += ["mtp", "mtp,ngram"]
+    return ["baseline"] + modes + ["auto"]
+
+
+def run_set(eng: Engine, set_name: str, modes: list[str], a) -> dict:
+    names, prompts = load_set(set_name)
+    if a.limit_prompts:
+        names, prompts = names[:a.limit_prompts], prompts[:a.limit_prompts]
+    cfg = BenchConfig(target=str(eng.target.path), draft=None, prompts=prompts, chat=True)
+    toks = prompt_tokens(eng, cfg)
+    draft_max = a.draft_max if a.draft_max == "auto" else int(a.draft_max)
+    sessions = {m: eng.session() for m in modes}
+    runs = []
+    for rep in range(a.repeat):
+        order = modes[rep % len(modes):] + modes[:rep % len(modes)]  # alternate which mode runs first
+        for pi, t in enumerate(toks):
+            for m in order:
+                spec = m != "baseline"
+                s = GenerationSettings(n_predict=a.n_predict, draft_max=draft_max,
+                                       drafter=m if spec else "model").validate()
+                ses = sessions[m]
+                ses.reset()
+                g = ses.generate(t, s, speculative=spec).run()
+                row = run_record("speculative" if spec else "baseline", pi, rep, g, s, names[pi])
+                row["drafter"] = m
+                runs.append(row)
+                print(f"{set_name:7s} rep {rep} {names[pi]:10s} {m:12s} {row['tokens_per_s']:7.1f} tok/s"
+                      + (f"  drafted {row['n_drafted_by']}" if spec else ""), file=sys.stderr, flush=True)
+    per_repeat = {m: [] for m in modes}
+    for rep in range(a.repeat):
+        for m in modes:
+            rows = [r for r in runs if r["repeat"] == rep and r["drafter"] == m]
+            per_repeat[m].append(1e3 * sum(r["n_generated"] for r in rows) / sum(r["gen_ms"] for r in rows))
+    med = {m: statistics.median(v) for m, v in per_repeat.items()}
+    singles = [m for m in modes if m not in ("baseline", "auto")]
+    best = max(singles, key=lambda m: med[m])
+    base_tokens = {(r["repeat"], r["prompt_index"]): r["tokens"] for r in runs if r["drafter"] == "baseline"}
+    identical = all(r["tokens"] == base_tokens[(r["repeat"], r["prompt_index"])] for r in runs)
+    auto_rows = [r for r in runs if r["drafter"] == "auto"]
+    auto_by = {}
+    for r in auto_rows:
+        for k, v in r["n_drafted_by"].items():
+            auto_by[k] = auto_by.get(k, 0) + v
+    return {"set": set_name, "prompts": list(names), "tokens_per_s_per_repeat": per_repeat,
+            "median_tokens_per_s": med, "vs_target_alone": {m: med[m] / med["baseline"] for m in singles + ["auto"]},
+            "best_single": best, "auto_vs_best_single": med["auto"] / med[best],
+            "auto_drafted_by": auto_by, "auto_plain_steps": sum(r["n_plain_steps"] for r in auto_rows),
+            "identical_output_greedy": identical, "runs": runs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sets", default="general,copy")
+    ap.add_argument("--n-predict", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--draft-max", default="auto")
+    ap.add_argument("--limit-prompts", type=int, default=0, help="only the first N prompts of each set (smoke runs)")
+    ap.add_argument("--target", help="target GGUF (default: the demo pair)")
+    ap.add_argument("--draft", help="draft GGUF (default: the demo pair's, with the demo target)")
+    ap.add_argument("--no-draft", action="store_true", help="no draft model: ngram, mtp and auto only")
+    ap.add_argument("--ngl", type=int, default=None)
+    ap.add_argument("--ngl-draft", type=int, default=None)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if a.target:
+        target, draft = Path(a.target), (Path(a.draft) if a.draft else None)
+    else:
+        target, draft = demo_pair()
+    if a.no_draft:
+        draft = None
+    ngl = placement.default_ngl() if a.ngl is None else a.ngl
+    ngl_draft = placement.default_ngl() if a.ngl_draft is None else a.ngl_draft
+    doc = {"machine": machine(), "command": " ".join(["python", "benchmarks/drafters.py", *sys.argv[1:]]),
+           "target": target.name, "draft": draft.name if draft else None, "n_predict": a.n_predict,
+           "repeat": a.repeat, "draft_max": a.draft_max, "sets": []}
+    with Engine(target, draft, ctx=a.ctx, threads=a.threads, ngl=ngl, ngl_draft=ngl_draft, mtp=None) as eng:
+        doc["target_has_mtp"] = eng.mtp_ctx is not None
+        modes = modes_for(draft is not None, eng.mtp_ctx is not None)
+        for set_name in a.sets.split(","):
+            res = run_set(eng, set_name, modes, a)
+            doc["sets"].append(res)
+            med = res["median_tokens_per_s"]
+            print(f"{set_name}: " + " · ".join(f"{m} {v:.1f}" for m, v in med.items())
+                  + f" tok/s; auto {res['vs_target_alone']['auto']:.2f}x target alone, "
+                  f"{res['auto_vs_best_single']:.2f}x the best single drafter ({res['best_single']})",
+                  file=sys.stderr, flush=True)
+    text = json.dumps(doc, indent=1)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    print(json.dumps({k: v for k, v in doc.items() if k != "sets"}
+                     | {"sets": [{k: v for k, v in s.items() if k != "runs"} for s in doc["sets"]]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

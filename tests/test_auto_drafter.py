@@ -1,0 +1,158 @@
+"""--drafter auto: the adaptive controller chooses the drafter (or plain decoding) and the length each step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specq.native.adaptive import AdaptiveDrafters
+from specq.native.engine import Engine, GenerationSettings, SimulatedClock
+from test_adaptive import cpu_like_costs
+from tinymodels import write_tiny_qwen35
+
+
+def simulate(alphas: dict[str, float], draft_ms: dict[str, float], verify_ms, steps: int = 400, seed: int = 0):
+    """The controller against synthetic drafters: i.i.d. acceptance per drafter, fixed costs; how often each
+    was chosen over the last half of the steps (None: plain decoding)."""
+    rng = np.random.default_rng(seed)
+    c = AdaptiveDrafters(16, {n: 0.1 for n in alphas})
+    chosen: dict = {}
+    for i in range(steps):
+        name, k = c.choose({n: 16 for n in alphas})
+        a = 0
+        if name is not None:
+            while a < k and rng.random() < alphas[name]:
+                a += 1
+        c.observe(name, k, a, draft_ms[name] / 1e3 if name and k > 1 else None, verify_ms(k + 1) / 1e3, 0.0,
+                  draft_ms[name] * k / 1e3 if name else 0.0, draft_ms[name] / 1e3 if name else None)
+        if i >= steps // 2:
+            chosen[name] = chosen.get(name, 0) + 1
+    return chosen
+
+
+def test_the_controller_settles_on_the_drafter_that_pays():
+    flat = lambda b: 10.0 + 0.5 * b  # noqa: E731
+    # a cheap drafter that is right 80% of the time beats a dear one that is right 90% of the time
+    got = simulate({"ngram": 0.8, "model": 0.9}, {"ngram": 0.05, "model": 4.0}, flat)
+    assert got.get("ngram", 0) > 0.9 * 200, got
+    # a useless drafter next to a good one is left alone (but for rare probes)
+    got = simulate({"good": 0.85, "useless": 0.0}, {"good": 1.0, "useless": 1.0}, flat)
+    assert got.get("good", 0) > 0.9 * 200 and got.get("useless", 0) < 10, got
+    # no drafter pays: plain decoding, with rare probes
+    got = simulate({"a": 0.0, "b": 0.05}, {"a": 2.0, "b": 2.0}, flat)
+    assert got.get(None, 0) > 0.9 * 200, got
+
+
+def test_auto_with_a_useless_draft_model_ends_up_drafting_from_ngrams(tiny_target, tiny_unrelated):
+    """The text repeats; the draft model never agrees. auto tries both, measures, and keeps the n-grams."""
+    clock = SimulatedClock(cpu_like_costs(target_one_ms=10.0, draft_ms=3.0))
+    with Engine(tiny_target, tiny_unrelated, ctx=1024, threads=1, clock=clock) as e:
+        toks = e.tokenize("def fibonacci(n):")
+        base = e.session().generate(toks, GenerationSettings(n_predict=200), speculative=False).run()
+        ses = e.session()
+        s = GenerationSettings(n_predict=200, drafter="auto")
+        first = ses.generate(toks, s).run()
+        more = e.tokenize(" and")
+        second = ses.generate(more, s).run()  # the controller lives as long as the session: it remembers
+        hist = list(ses.history)
+    assert first.tokens == base.tokens and len(set(base.tokens)) > 50
+    by1, acc1 = dict(first.stats.n_drafted_by), dict(first.stats.n_accepted_by)
+    assert by1.get("model", 0) > 0 and acc1.get("model", 0) == 0  # the model was tried and never agreed
+    by2, acc2 = dict(second.stats.n_drafted_by), dict(second.stats.n_accepted_by)
+    assert by2.get("ngram", 0) > 60 and by2.get("model", 0) <= second.stats.n_probes, by2
+    assert acc2["ngram"] > 0.5 * by2["ngram"]
+    assert second.stats.n_plain_steps > 0  # where the text has no match, plain decoding (not the model)
+    with Engine(tiny_target, None, ctx=1024, threads=1) as ref:
+        alone = ref.session().generate(hist[:-200], GenerationSettings(n_predict=200), speculative=False).run()
+    assert alone.tokens == second.tokens
+
+
+def test_auto_is_deterministic_under_a_simulated_clock(tiny_target, tiny_unrelated):
+    runs = []
+    for _ in range(2):
+        clock = SimulatedClock(cpu_like_costs(target_one_ms=10.0, draft_ms=3.0))
+        with Engine(tiny_target, tiny_unrelated, ctx=512, threads=1, clock=clock) as e:
+            g = e.session().generate(e.tokenize("def fibonacci(n):"),
+                                     GenerationSettings(n_predict=120, drafter="auto")).run()
+            runs.append((g.stats.n_drafted_by, g.stats.steps_by_k, g.stats.n_plain_steps, clock.now))
+    assert runs[0] == runs[1]
+
+
+@pytest.fixture(scope="module")
+def mtp_target(models_dir):
+    return write_tiny_qwen35(models_dir / "qwen35_mtp_bigram_auto.gguf", seed=41, with_mtp=True, mtp_bigram=True)
+
+
+def test_auto_includes_the_mtp_head_where_the_target_has_one(mtp_target):
+    def cost(name: str, n: int, pos0: int) -> float:
+        return {"target": 10.0 + 0.5 * n, "mtp": 0.5 + 0.05 * n}.get(name, 1.0) / 1e3
+
+    with Engine(mtp_target, None, ctx=256, threads=1, mtp=None, clock=SimulatedClock(cost)) as e:
+        assert e.mtp_ctx is not None
+        toks = e.tokenize("Once upon a time")
+        base = e.session().generate(toks, GenerationSettings(n_predict=60), speculative=False).run()
+        g = e.session().generate(toks, GenerationSettings(n_predict=60, drafter="auto")).run()
+    assert g.tokens == base.tokens
+    assert dict(g.stats.n_drafted_by).get("mtp", 0) > 10 and dict(g.stats.n_accepted_by)["mtp"] > 0
+
+
+# ---- the drafter on the command line: bench, tune, the pair manifest, presets ----------------------------------
+def test_bench_and_tune_take_the_mtp_and_auto_drafters(mtp_target, tiny_target):
+    import json
+
+    from typer.testing import CliRunner
+
+    from specq.cli.app import app
+
+    runner = CliRunner()
+    base = ["--target", str(mtp_target), "--threads", "1", "--ctx", "256"]
+    r = runner.invoke(app, ["bench", *base, "--n-predict", "24", "--drafter", "mtp", "--draft-max", "3",
+                            "--json", "-", "-q"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    spec = next(x for x in doc["runs"] if x["mode"] == "speculative")
+    assert doc["settings"]["drafter"] == "mtp" and doc["draft"] is None
+    assert spec["n_drafted_by"]["mtp"] == spec["n_drafted"] > 0 and doc["summary"]["identical_output"] is True
+    r = runner.invoke(app, ["bench", *base, "--n-predict", "24", "--drafter", "auto", "--json", "-", "-q"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["settings"]["drafter"] == "auto"
+    r = runner.invoke(app, ["tune", *base, "--n-predict", "16", "--draft-max", "2", "--drafter", "mtp", "--json", "-"])
+    assert r.exit_code == 0, r.output
+    tuned = json.loads(r.stdout)
+    assert tuned["drafter"] == "mtp" and tuned["accept_rate"] is not None and tuned["draft_ms"] > 0
+    r = runner.invoke(app, ["tune", "--target", str(tiny_target), "--drafter", "mtp", "--threads", "1"])
+    assert r.exit_code == 1 and "no MTP layers" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_pair_manifest_and_a_preset_may_name_the_drafter(tiny_target, tmp_path):
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from specq.cli.app import app
+    from specq.convert.manifest import sha256_file, write_manifest
+    from specq.convert.presets import parse_preset
+    from test_presets import raw
+    from specq.errors import ManifestError
+
+    shutil.copy(tiny_target, tmp_path / "t.gguf")
+    write_manifest(tmp_path, {"file": "t.gguf", "sha256": sha256_file(tmp_path / "t.gguf")}, None,
+                   {"draft_max": 3, "drafter": "ngram"})
+    base = ["bench", "--pair", str(tmp_path), "--threads", "1", "--ctx", "256", "--n-predict", "8", "--json", "-",
+            "-q"]
+    r = CliRunner().invoke(app, base)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["settings"]["drafter"] == "ngram"  # no --draft needed: the manifest's drafter
+    write_manifest(tmp_path, {"file": "t.gguf", "sha256": sha256_file(tmp_path / "t.gguf")}, None,
+                   {"drafter": "sometimes"})
+    r = CliRunner().invoke(app, base)
+    assert r.exit_code == 1 and "bad drafter in the pair manifest" in r.stderr, r.output
+
+    doc = raw("qwen2.5-7b")
+    assert "drafter" not in parse_preset(doc, "x").settings  # optional
+    doc["settings"]["drafter"] = "model,ngram"
+    assert parse_preset(doc, "x").settings["drafter"] == "model,ngram"
+    doc["settings"]["drafter"] = "mtp,auto"
+    with pytest.raises(ManifestError, match="drafter"):
+        parse_preset(doc, "x")
