@@ -14,7 +14,7 @@ from ..errors import UsageError
 from ..native.engine import DRAFT_MAX_CAP, Engine
 from ..native.tune import DEFAULT_PROMPTS, TuneResult, calibrate, write_tuned
 from ..native.placement import resolve_placement
-from ._common import (CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DraftOpt, err, handle_errors, MainGpuOpt, models_or_demo,
+from ._common import (RpcOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DraftOpt, err, handle_errors, MainGpuOpt, models_or_demo,
                       NglDraftOpt, NglOpt, out, PairOpt, Quiet, resolve_pair, setup_logging, TargetOpt, TensorSplitOpt, ThreadsOpt,
                       Verbose, VramBudgetOpt, warn)
 from .checks import check_finite, check_output_path, pair_warning
@@ -61,6 +61,7 @@ def main(
     tensor_split: TensorSplitOpt = None,
     device: DeviceOpt = None,
     draft_device: DraftDeviceOpt = None,
+    rpc: RpcOpt = None,
     cpu_amx: CpuAmxOpt = False,
     flash_attn: FlashAttnOpt = "auto",
     write: Annotated[bool, typer.Option("--write", help="Store the result as [tuned] in the pair manifest.")] = False,
@@ -87,7 +88,7 @@ def main(
     placement = resolve_placement(str(target), str(draft), ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
                                   device=device, draft_device=draft_device, cpu_amx=cpu_amx,
-                                  flash_attn=flash_attn)
+                                  flash_attn=flash_attn, rpc=rpc)
     with Engine(target, draft, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
                 **placement.engine_options()) as eng:
         result = calibrate(eng, DEFAULT_PROMPTS, n_predict=n_predict, draft_max=draft_max, temp=temp)
