@@ -124,11 +124,13 @@ def resolve_placement(target: str, draft: str | None, *, ctx: int, ngl: int | No
         n_dft = plan_dft if n_dft is None else n_dft
         if split is None and len(plan.devices) > 1:
             split = tuple(float(x) for x in plan.tensor_split("target"))
-            draft_split = tuple(float(x) for x in plan.tensor_split("draft"))
+            local = [i for i, d in enumerate(plan.devices) if not d.endpoint]  # the draft never goes remote
+            shares = plan.tensor_split("draft")
+            draft_split = tuple(float(shares[i]) for i in local) if shares and len(local) > 1 else None
     gpu = default_ngl()
     n_tgt = gpu if n_tgt is None else n_tgt
     n_dft = gpu if n_dft is None else n_dft
-    if draft is not None and n_tgt > 0 and n_dft == 0 and _ffi.supports_gpu_offload():
+    if draft is not None and n_tgt > 0 and n_dft == 0 and _ffi.supports_gpu_offload() and local_gpus != ():
         log.warning("the target is on the GPU but the draft is on the CPU: drafting will be slow and "
                     "speculation may not pay; use --ngl-draft (or --vram-budget)")
     devices, draft_devices = parse_devices(device), parse_devices(draft_device)

@@ -188,3 +188,25 @@ def test_doctor_lists_remote_devices_with_their_memory(rpc_lib, two_servers):
     plain = subprocess.run([SPECQ, "doctor", "--json"], capture_output=True, text=True, env=_env(rpc_lib), timeout=120)
     assert json.loads(plain.stdout)["rpc"]["available"] is True
     assert not [d for d in json.loads(plain.stdout)["devices"] if d["name"].startswith("RPC")]
+
+
+def test_plan_puts_the_target_on_remote_devices_and_the_draft_on_a_local_one(rpc_lib, two_servers, tiny_target,
+                                                                            tiny_close):
+    eps = ",".join(s.endpoint for s in two_servers)
+    args = [SPECQ, "plan", "--target", str(tiny_target), "--draft", str(tiny_close), "--json", "--rpc", eps]
+    r = subprocess.run(args + ["--vram", "4GiB"], capture_output=True, text=True, env=_env(rpc_lib), timeout=120)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert [(d["name"], d["endpoint"]) for d in doc["devices"]] == [
+        ("RPC0", two_servers[0].endpoint), ("RPC1", two_servers[1].endpoint), ("GPU0", None)]
+    remote_memory = [d["memory_free"] for d in json.loads(subprocess.run(
+        [SPECQ, "doctor", "--json", "--rpc", eps], capture_output=True, text=True, env=_env(rpc_lib),
+        timeout=120).stdout)["devices"] if d["name"].startswith("RPC")]
+    assert [d["budget_bytes"] for d in doc["devices"][:2]] == remote_memory  # as the servers report it
+    assert [d["draft_layers"] for d in doc["devices"]] == [0, 0, doc["draft"]["ngl"]] and doc["draft"]["ngl"] > 0
+    assert doc["devices"][0]["target_layers"] == doc["target"]["ngl_max"]
+    # No local GPU at all (a fraction of free memory, and this machine has none): the draft runs on the CPU.
+    r = subprocess.run(args + ["--vram", "0.5"], capture_output=True, text=True, env=_env(rpc_lib), timeout=120)
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0 and [d["name"] for d in doc["devices"]] == ["RPC0", "RPC1"]
+    assert doc["draft"]["ngl"] == 0 and doc["target"]["ngl"] == doc["target"]["ngl_max"]
