@@ -244,7 +244,7 @@ def main() -> None:
         t_plain = z["plain"]["s_per_decode"] + row["plain"]["round_trips_per_decode"] * L
         t_step = z["speculative"]["s_per_decode"] + row["speculative"]["round_trips_per_decode"] * L
         row["predicted_speedup"] = t_plain * z["speculative"]["tokens_per_decode"] / t_step
-    doc = {"benchmark": "rpc_latency", "settings": {k: (str(v) if isinstance(v, Path) else v)
+    doc = {"benchmark": "rpc_latency", "settings": {k: (v.name if isinstance(v, Path) else v)  # no machine paths
                                                     for k, v in vars(args).items()},
            "target": target.name, "draft": draft.name, "machine": {
                "cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
