@@ -69,8 +69,8 @@ def server_main(
 
     devices = rpc.serve_devices(list(parse_devices(device) or ()))
     warn("llama.cpp's RPC protocol has NO authentication and NO encryption: anyone who can reach "
-         f"{host}:{port} can run code-sized workloads on this machine and read what it computes; "
-         "keep it on loopback or a trusted network")
+         f"{host}:{port} can use this machine's devices, read what they compute and send crafted requests; "
+         "keep it on loopback (reach it through an SSH tunnel) or a trusted network")
     if host not in LOOPBACK:
         warn(f"listening on {host}, not loopback: make sure only your own hosts can reach port {port} "
              "(a firewall rule or a private network)")
