@@ -69,8 +69,7 @@ def test_a_target_split_across_two_rpc_servers_speaks_exactly_like_the_target_al
         rpc_lib, two_servers, tiny_target, tiny_close):
     eps = ",".join(s.endpoint for s in two_servers)
     before = [s.accepted() for s in two_servers]
-    local = _bench(["--target", str(tiny_target), "--n-predict", "48", "--no-baseline", "--draft", str(tiny_close)],
-                   _env(rpc_lib))
+    local = _bench(["--target", str(tiny_target), "--n-predict", "48"], _env(rpc_lib))  # the target alone
     assert local.returncode == 0, local.stderr
     remote = _bench(["--target", str(tiny_target), "--draft", str(tiny_close), "--n-predict", "48", "--rpc", eps,
                      "--tensor-split", "1,1", "-v"], _env(rpc_lib))
@@ -78,7 +77,9 @@ def test_a_target_split_across_two_rpc_servers_speaks_exactly_like_the_target_al
     doc = json.loads(remote.stdout)
     spec = [r for r in doc["runs"] if r["mode"] == "speculative"][0]
     base_remote = [r for r in doc["runs"] if r["mode"] == "baseline"][0]
-    local_tokens = json.loads(local.stdout)["runs"][0]["tokens"]
+    (alone,) = json.loads(local.stdout)["runs"]
+    assert alone["mode"] == "baseline" and alone["n_drafted"] is None
+    local_tokens = alone["tokens"]
     # The reference is the target alone on this machine, in another process that never saw an RPC device.
     assert spec["tokens"] == local_tokens
     assert base_remote["tokens"] == local_tokens
@@ -210,3 +211,40 @@ def test_plan_puts_the_target_on_remote_devices_and_the_draft_on_a_local_one(rpc
     doc = json.loads(r.stdout)
     assert r.returncode == 0 and [d["name"] for d in doc["devices"]] == ["RPC0", "RPC1"]
     assert doc["draft"]["ngl"] == 0 and doc["target"]["ngl"] == doc["target"]["ngl_max"]
+
+
+def test_the_target_split_over_remote_devices_and_the_local_cpu_stays_exact(rpc_lib, two_servers, tiny_target,
+                                                                            tiny_close):
+    eps = ",".join(s.endpoint for s in two_servers)
+    local = _bench(["--target", str(tiny_target), "--n-predict", "40"], _env(rpc_lib))
+    r = _bench(["--target", str(tiny_target), "--draft", str(tiny_close), "--n-predict", "40", "--no-baseline",
+                "--rpc", eps, "--device", "RPC1,CPU", "--tensor-split", "1,1", "-v"], _env(rpc_lib))
+    assert r.returncode == 0, r.stderr[-3000:]
+    (spec,) = json.loads(r.stdout)["runs"]
+    assert spec["tokens"] == json.loads(local.stdout)["runs"][0]["tokens"] and spec["n_drafted"] > 0
+    tgt = _model_logs(r.stderr)[tiny_target.name]
+    assert "assigned to device RPC1" in tgt and "assigned to device CPU" in tgt
+    assert "assigned to device RPC0" not in tgt  # --device chose the second server only
+
+
+def test_chat_answers_over_rpc_and_a_server_killed_during_the_chat_is_one_line(rpc_lib, tiny_target, tiny_close):
+    server = RpcServer(rpc_lib)
+    try:
+        chat = subprocess.Popen([SPECQ, "chat", "--target", str(tiny_target), "--draft", str(tiny_close), "--ctx", "512",
+                                 "--threads", "1", "--n-predict", "16", "--draft-max", "4", "--rpc", server.endpoint],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_env(rpc_lib, SPECQ_RPC_TIMEOUT="600"))
+        chat.stdin.write("The quick brown fox\n")
+        chat.stdin.flush()
+        first = chat.stdout.readline()  # the first answer, generated over RPC
+        assert first.strip(), chat.stderr.read()
+        server.proc.kill()
+        server.proc.wait(10)
+        t0 = time.monotonic()
+        out, err = chat.communicate("def fibonacci(n):\n", timeout=ONE_LINE_S)
+        took = time.monotonic() - t0
+    finally:
+        server.stop()
+    assert chat.returncode == 1 and took < ONE_LINE_S
+    assert err.strip().splitlines() == [err.strip()] and err.startswith(
+        f"specq: error: RPC server {server.endpoint} no longer accepts connections")
