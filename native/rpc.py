@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import RpcError, UsageError
+from ..errors import RpcError, UsageError  # noqa: F401 (RpcError is part of this module's API)
 from . import _ffi, abort_guard
 
 log = logging.getLogger("specq.rpc")

@@ -248,3 +248,44 @@ def test_chat_answers_over_rpc_and_a_server_killed_during_the_chat_is_one_line(r
     assert chat.returncode == 1 and took < ONE_LINE_S
     assert err.strip().splitlines() == [err.strip()] and err.startswith(
         f"specq: error: RPC server {server.endpoint} no longer accepts connections")
+
+
+def _fake_server(answer_major: int):
+    """A TCP server that answers one HELLO with protocol answer_major.0.0 and 1 device, as ggml-rpc would."""
+    import struct
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(1 + 8 + 24, socket.MSG_WAITALL)
+            conn.sendall(struct.pack("<Q", 28) + bytes([answer_major, 0, 0, 0]) + bytes(24))
+            conn.recv(1 + 8, socket.MSG_WAITALL)
+            conn.sendall(struct.pack("<QI", 4, 1))
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, rpc.Endpoint("127.0.0.1", srv.getsockname()[1])
+
+
+def test_probe_reads_the_protocol_and_refuses_another_major_version():
+    srv, ep = _fake_server(7)
+    with srv:
+        assert rpc.probe(ep, timeout=5, protocol_major=7) == rpc.ServerInfo(str(ep), "7.0.0", 1)
+    srv, ep = _fake_server(6)
+    with srv, pytest.raises(rpc.RpcError, match=rf"RPC server {ep} speaks protocol 6.0.0, this build 7.x"):
+        rpc.probe(ep, timeout=5, protocol_major=7)
+
+
+def test_without_the_backend_doctor_says_how_to_get_it_and_rpc_is_one_line(tmp_path, tiny_target):
+    env = dict(os.environ, SPECQ_CACHE_DIR=str(tmp_path / "empty-cache"))
+    env.pop("SPECQ_RPC_LIB", None)
+    doc = json.loads(subprocess.run([SPECQ, "doctor", "--json"], capture_output=True, text=True, env=env,
+                                    timeout=120).stdout)
+    assert doc["rpc"]["available"] is False and "specq rpc-build" in doc["rpc"]["reason"]
+    r = _bench(["--target", str(tiny_target), "--rpc", "127.0.0.1:50052"], env, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "specq: error: " + doc["rpc"]["reason"]]
