@@ -297,14 +297,14 @@ def status() -> dict:
     """Whether RPC can be used here, and from where (for `specq doctor`); loads nothing."""
     _ffi.ensure_backend()
     lib = _ffi._libggml()
-    if lib.ggml_backend_reg_by_name(b"RPC"):
-        return {"available": True, "source": _backend.source or "llama.cpp build", "library": None,
+    if _backend.lib is None and lib.ggml_backend_reg_by_name(b"RPC"):
+        return {"available": True, "source": "llama.cpp build", "library": None,
                 "reason": "llama-cpp-python was built with GGML_RPC=ON"}
     path = built_library()
     if path is None:
         return {"available": False, "source": None, "library": None,
-                "reason": "this llama-cpp-python has no RPC backend; run `specq rpc-build` (about 2 minutes on "
-                          "2 cores) to build it from the same sources"}
+                "reason": "this llama-cpp-python has no RPC backend; run `specq rpc-build` (about 1.5 minutes "
+                          "on 2 idle cores) to build it from the same sources"}
     if not path.is_file():
         return {"available": False, "source": None, "library": str(path),
                 "reason": f"${LIB_ENV} names a missing file ({path})"}
@@ -357,11 +357,11 @@ def connect(endpoints: tuple[Endpoint, ...] | str, timeout: float = PROBE_TIMEOU
     if isinstance(endpoints, str):
         endpoints = parse_endpoints(endpoints)
     be = load()
-    infos = [probe(ep, timeout, be.protocol_major) for ep in endpoints]  # all checked before any is added
+    # All checked before any is added; never one already added (it serves one client at a time: this process).
+    new = [ep for ep in endpoints if str(ep) not in be.servers]
+    infos = [probe(ep, timeout, be.protocol_major) for ep in new]
     lib = _ffi._libggml()
-    for ep, info in zip(endpoints, infos):
-        if str(ep) in be.servers:
-            continue
+    for ep, info in zip(new, infos):
         reg = be.add_server(str(ep).encode())
         if not reg:
             raise RpcError(f"RPC server {ep} offers no devices; check its log")
@@ -391,13 +391,32 @@ def local_gpu_names() -> list[str]:
 
 
 # ---- a lost server ---------------------------------------------------------------------------------
-def _lost_line(detail: str) -> str:
+def _gone(ep: Endpoint, tries: int = 4) -> bool:
+    """The port refuses connections: the server process is gone. A dying server's listening socket may outlive
+    its connections for a moment, hence a few tries; a timeout proves nothing (a stopped server's backlog)."""
+    for i in range(tries):
+        try:
+            with socket.create_connection((ep.host, ep.port), timeout=0.5):
+                pass
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+        time.sleep(0.25)
+    return False
+
+
+def _lost_line(detail: str, silent: bool = False) -> str:
     eps = list(_backend.endpoints)
-    dead = [str(e) for e in eps if not reachable(e, 0.5)]
-    who = ", ".join(dead) if dead else ", ".join(str(e) for e in eps)
-    state = "no longer accepts connections" if dead else "stopped answering"
-    return (f"specq: error: RPC server {who} {state} ({detail}); check that rpc-server still runs there and the "
-            "network between the hosts, then rerun\n")
+    dead = [str(e) for e in eps if _gone(e)]
+    if dead:
+        what = f"RPC server {', '.join(dead)} is gone: it no longer accepts connections"
+    elif silent:
+        what = f"RPC server {', '.join(map(str, eps))} stopped answering"
+    else:
+        what = f"lost the connection to RPC server {', '.join(map(str, eps))}"
+    return (f"specq: error: {what} ({detail}); check that rpc-server still runs there and the network between "
+            "the hosts, then rerun\n")
 
 
 def _explain_abort(message: str) -> str | None:
@@ -445,7 +464,7 @@ class _Watchdog:
             since = clock.since
             if since is not None and time.monotonic() - since > self.timeout_s:
                 self.fired += 1
-                line = _lost_line(f"{clock.what} made no progress for {self.timeout_s:g} s")
+                line = _lost_line(f"{clock.what} made no progress for {self.timeout_s:g} s", silent=True)
                 with contextlib.suppress(OSError):
                     os.write(2, line.encode("utf-8", "replace"))
                 os._exit(self.EXIT_CODE)

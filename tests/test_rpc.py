@@ -118,7 +118,7 @@ def test_a_server_lost_mid_generation_is_one_line_and_exit_1(rpc_lib, slow_targe
     lines = err.strip().splitlines()
     assert client.returncode == 1
     assert len(lines) == 1, err
-    assert lines[0].startswith(f"specq: error: RPC server {server.endpoint} no longer accepts connections")
+    assert lines[0].startswith(f"specq: error: RPC server {server.endpoint} is gone: it no longer accepts connections")
     assert "Remote RPC server crashed" in lines[0]  # ggml's abort, not the watchdog (600 s away)
     assert took < ONE_LINE_S and out == ""
 
@@ -181,7 +181,7 @@ def test_doctor_lists_remote_devices_with_their_memory(rpc_lib, two_servers):
                        timeout=120)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert doc["rpc"]["available"] is True
+    assert doc["rpc"]["available"] is True and doc["rpc"]["library"] == str(rpc_lib)
     assert [s["endpoint"] for s in doc["rpc"]["servers"]] == [s.endpoint for s in two_servers]
     remote = [d for d in doc["devices"] if d["name"].startswith("RPC")]
     assert [d["description"] for d in remote] == [s.endpoint for s in two_servers]
@@ -247,7 +247,7 @@ def test_chat_answers_over_rpc_and_a_server_killed_during_the_chat_is_one_line(r
         server.stop()
     assert chat.returncode == 1 and took < ONE_LINE_S
     assert err.strip().splitlines() == [err.strip()] and err.startswith(
-        f"specq: error: RPC server {server.endpoint} no longer accepts connections")
+        f"specq: error: RPC server {server.endpoint} is gone: it no longer accepts connections")
 
 
 def _fake_server(answer_major: int):
