@@ -28,8 +28,7 @@ ONE_LINE_S = 30  # a lost server must end the client within this (the watchdog i
 
 @pytest.fixture(scope="session")
 def rpc_lib():
-    # $SPECQ_RPC_LIB (a build made elsewhere), else built once per llama-cpp-python version and cached
-    return rpc.built_library() or rpc.build().library
+    return rpc.build().library  # built once per llama-cpp-python version, then cached
 
 
 @pytest.fixture(scope="module")
@@ -289,3 +288,17 @@ def test_without_the_backend_doctor_says_how_to_get_it_and_rpc_is_one_line(tmp_p
     r = _bench(["--target", str(tiny_target), "--rpc", "127.0.0.1:50052"], env, timeout=120)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         "specq: error: " + doc["rpc"]["reason"]]
+
+
+def test_rpc_build_reuses_its_cache_and_rpc_server_warns_and_refuses_a_taken_port(rpc_lib, two_servers):
+    env = _env(rpc_lib)
+    env.pop("SPECQ_RPC_LIB")
+    r = subprocess.run([SPECQ, "rpc-build"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith(f"already built: {rpc_lib} (llama-cpp-python ")
+    warning = two_servers[0].lines[0]
+    assert warning.startswith("specq: warning: llama.cpp's RPC protocol has NO authentication")
+    taken = two_servers[0].port
+    r = subprocess.run([SPECQ, "rpc-server", "--port", str(taken)], capture_output=True, text=True, env=_env(rpc_lib),
+                       timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith(f"specq: error: cannot listen on 127.0.0.1:{taken}")
