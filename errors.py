@@ -49,5 +49,9 @@ class ManifestError(SpecqError):
     """A pair manifest is missing, malformed, or does not match its files."""
 
 
+class RpcError(SpecqError):
+    """An RPC server is unreachable, incompatible or lost, or the RPC backend is missing."""
+
+
 class PlanError(SpecqError):
     """The models do not fit in the given memory budget."""

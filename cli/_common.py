@@ -132,6 +132,9 @@ DrafterOpt = Annotated[str, typer.Option("--drafter", help="Who proposes tokens:
 NgramMinOpt = Annotated[int, typer.Option("--ngram-min", help="Shortest repeated ending an n-gram proposal needs.")]
 NgramMaxOpt = Annotated[int, typer.Option("--ngram-max", help="Longest ending the n-gram lookup tries first.")]
 DraftDeviceOpt = Annotated[Optional[str], typer.Option("--draft-device", help="ggml devices for the draft.")]
+RpcOpt = Annotated[Optional[str], typer.Option("--rpc", help="RPC servers HOST:PORT[,HOST:PORT...] (`specq rpc-server` "
+                                                            "on each): the target spreads over their devices (RPC0, "
+                                                            "RPC1, ...) and the local GPUs; the draft stays local.")]
 
 
 def parse_draft_max(value: str | int) -> int | str:

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import __version__
-from . import bench, chat, convert, doctor, plan, presets, serve, tune
+from . import bench, chat, convert, doctor, plan, presets, rpc, serve, tune
 
 app = typer.Typer(
     name="specq",
@@ -24,6 +24,9 @@ app.command("plan", help="Plan GPU layers and context for a target and draft in 
 app.command("convert", help="Hugging Face checkpoints to an aligned, quantized GGUF target + draft pair.")(convert.main)
 app.command("presets", help="List the known target + draft pairs for `specq convert --preset`.")(presets.main)
 app.command("serve", help="An OpenAI-compatible server with exact speculative decoding.")(serve.main)
+app.command("rpc-build", help="Build llama.cpp's RPC backend for this llama-cpp-python (for --rpc).")(rpc.build_main)
+app.command("rpc-server", help="Offer this machine's GPUs or CPU to --rpc clients (no authentication!).")(
+    rpc.server_main)
 app.command("tune", help="Calibrate a pair: acceptance by position, costs, recommended settings.")(tune.main)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -25,14 +25,24 @@ def render_devices(doc: dict) -> Table:
     return t
 
 
+def rpc_line(r: dict) -> str:
+    if not r["available"]:
+        return f"RPC (--rpc): not available — {r['reason']}"
+    where = r["library"] or r["source"]
+    servers = "; ".join(f"{s['endpoint']} (protocol {s['protocol']}, {s['n_devices']} device(s))" for s in r["servers"])
+    return f"RPC (--rpc): available ({where})" + (f"; servers: {servers}" if servers else "")
+
+
 @handle_errors
 def main(
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    rpc: Annotated[Optional[str], typer.Option("--rpc", help="Also list the devices of these RPC servers "
+                                                            "(HOST:PORT[,HOST:PORT...]).")] = None,
     verbose: Verbose = False,
     quiet: Quiet = False,
 ) -> None:
     setup_logging(verbose, quiet)
-    doc = doctor_report()
+    doc = doctor_report(rpc)
     if json_out:
         print(json.dumps(doc, indent=2), flush=True)
         return
@@ -47,4 +57,5 @@ def main(
                       f"from {g['source']})")
         cpu = doc["cpu"]
         out.print(f"CPU weight buffers: {cpu['extra_buffers']} — {cpu['reason']}")
+        out.print(rpc_line(doc["rpc"]))
     out.print(doc["verdict"])

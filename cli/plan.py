@@ -28,7 +28,8 @@ def render_table(doc: dict) -> Table:
 
 
 def device_lines(doc: dict) -> list[str]:
-    return [f"{d['name']}: {fmt_bytes(d['bytes'])} of {fmt_bytes(d['budget_bytes'])} "
+    return [f"{d['name']}" + (f" (RPC server {d['endpoint']})" if d.get("endpoint") else "")
+            + f": {fmt_bytes(d['bytes'])} of {fmt_bytes(d['budget_bytes'])} "
             f"(draft {d['draft_layers']} + target {d['target_layers']} layers, "
             f"{fmt_bytes(d['reserve_bytes'])} reserve)" for d in doc["devices"]]
 
@@ -45,11 +46,17 @@ def main(
     flash_attn: Annotated[bool, typer.Option("--flash-attn/--no-flash-attn",
                                              help="Plan for flash attention (llama.cpp's default on GPUs).")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON on stdout.")] = False,
+    rpc: Annotated[Optional[str], typer.Option("--rpc", help="RPC servers HOST:PORT[,...]: their devices come first "
+                                                            "with the memory they report; the draft stays local.")] = None,
     verbose: Verbose = False,
     quiet: Quiet = False,
 ) -> None:
     setup_logging(verbose, quiet)
     budget = parse_budget(vram)  # a malformed size is a usage error (exit 2) before anything is read
+    if rpc:
+        from ..native import rpc as rpc_backend
+
+        rpc_backend.connect(rpc)
     p = plan(str(target), str(draft) if draft else None, budget_devices(budget), ctx=ctx, cache_type=cache_type,
              flash_attn=flash_attn)
     doc = p.to_dict()

@@ -15,7 +15,7 @@ from ..native.engine import DRAFT_MAX_CAP, Engine
 from ..native.tune import DEFAULT_PROMPTS, TuneResult, calibrate, write_tuned
 from ..native.placement import resolve_placement
 from ..native.engine import GenerationSettings
-from ._common import (CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftOpt, draft_for_drafters,
+from ._common import (RpcOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftOpt, draft_for_drafters,
                       drafter_engine_options, err, handle_errors, MainGpuOpt, models_or_demo,
                       NglDraftOpt, NglOpt, out, PairOpt, Quiet, resolve_pair, setup_logging, TargetOpt, TensorSplitOpt, ThreadsOpt,
                       Verbose, VramBudgetOpt, warn)
@@ -63,6 +63,7 @@ def main(
     tensor_split: TensorSplitOpt = None,
     device: DeviceOpt = None,
     draft_device: DraftDeviceOpt = None,
+    rpc: RpcOpt = None,
     cpu_amx: CpuAmxOpt = False,
     flash_attn: FlashAttnOpt = "auto",
     drafter: DrafterOpt = "model",
@@ -92,7 +93,7 @@ def main(
     placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
                                   device=device, draft_device=draft_device, cpu_amx=cpu_amx,
-                                  flash_attn=flash_attn)
+                                  flash_attn=flash_attn, rpc=rpc)
     with Engine(target, draft, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
                 **placement.engine_options(), **drafter_engine_options(settings)) as eng:
         result = calibrate(eng, DEFAULT_PROMPTS, n_predict=n_predict, draft_max=draft_max, temp=temp,

@@ -41,6 +41,40 @@ def _route_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
         llama_log.log(lvl, "%s", text.decode("utf-8", "replace").rstrip("\n"))
 
 
+class CallClock:
+    """When the llama.cpp call now running began (None: none), for native/rpc.py's watchdog; off unless enabled."""
+
+    __slots__ = ("since", "what", "enabled")
+
+    def __init__(self):
+        self.since, self.what, self.enabled = None, "", False
+
+    def __call__(self, what: str) -> "CallClock":
+        self.what = what
+        return self
+
+    def __enter__(self) -> None:
+        if self.enabled:
+            self.since = time.monotonic()
+
+    def __exit__(self, *exc) -> None:
+        self.since = None
+
+    def tick(self) -> None:
+        """Progress inside a long call (a model load over the network)."""
+        if self.since is not None:
+            self.since = time.monotonic()
+
+
+call_clock = CallClock()
+
+
+@C.llama_progress_callback
+def _load_progress(progress: float, _user: ctypes.c_void_p) -> bool:
+    call_clock.tick()
+    return True
+
+
 def ensure_backend() -> None:
     """Initialise llama.cpp once per process and route its log through `logging`."""
     global _backend_ready
@@ -145,18 +179,21 @@ class Model(_Handle):
         self.n_repacked = 0  # weight patterns sent to the CPU-repack buffer by name ("amx-off")
         if not self.cpu_policy.use_extra_bufts:
             params.use_extra_bufts = False
-            all_cpu = n_gpu_layers == 0 or not supports_gpu_offload()
-            if self.cpu_policy.extra_buffers == "amx-off" and all_cpu and not vocab_only and devices in (None, ["CPU"]):
+            all_cpu = n_gpu_layers == 0 or not supports_gpu_offload() or devices == []
+            if self.cpu_policy.extra_buffers == "amx-off" and all_cpu and not vocab_only and devices in (None, [], ["CPU"]):
                 self._set_repack_overrides(params)
         if tensor_split:
             n = C.llama_max_devices()
             arr = (ctypes.c_float * n)(*(list(tensor_split) + [0.0] * n)[:n])
             self._split = arr
             params.tensor_split = arr
-        if devices:
+        if devices is not None:  # [] → no device: the CPU only (the draft beside remote RPC devices)
             self._devs = device_handles(devices)
             params.devices = ctypes.cast(self._devs, ctypes.c_void_p).value
-        with deferred_sigint():  # a Ctrl-C inside the log callback would be swallowed: raise it after the load
+        if call_clock.enabled:
+            params.progress_callback = _load_progress
+        with deferred_sigint(), call_clock(f"loading {self.path.name}"):
+            # a Ctrl-C inside the log callback would be swallowed: raise it after the load
             handle = self._h = C.llama_model_load_from_file(str(self.path).encode(), params) or None
         if not handle:
             raise ModelFileError(
@@ -338,7 +375,8 @@ class Context(_Handle):
         params.n_rs_seq = int(n_rs_seq)
         params.flash_attn_type = FLASH_ATTN[flash_attn]
         params.no_perf = True
-        handle = C.llama_init_from_model(model.handle, params)
+        with call_clock(f"creating the {name} context"):
+            handle = C.llama_init_from_model(model.handle, params)
         if not handle:
             raise SpecqError(f"llama.cpp could not create a context for {model.path} (n_ctx={n_ctx}); "
                              "try a smaller --ctx or fewer GPU layers")
@@ -415,7 +453,8 @@ class Context(_Handle):
             self._batch.n_tokens = m
             t0 = time.perf_counter()
             self.last_decode_pos0 = pos0 + start
-            rc = C.llama_decode(h, self._batch)
+            with call_clock(f"{self.name} decode"):
+                rc = C.llama_decode(h, self._batch)
             self.decode_s += time.perf_counter() - t0
             self.n_decode_calls += 1
             if self.on_decode is not None:
@@ -436,7 +475,8 @@ class Context(_Handle):
     def logits(self, n_rows: int | None = None) -> np.ndarray:
         """A read-only (n_rows, n_vocab) float32 view of the last decode's outputs (valid until the next decode)."""
         rows = self.n_outputs if n_rows is None else n_rows
-        ptr = C.llama_get_logits(self.handle)
+        with call_clock(f"{self.name} logits"):  # waits for the decode's last results
+            ptr = C.llama_get_logits(self.handle)
         if not ptr or rows <= 0:
             raise SpecqError(f"{self.name}: no logits available from the last decode")
         arr = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
@@ -623,7 +663,8 @@ class Sampler(_Handle):
 
     def sample(self, ctx: Context, idx: int) -> int:
         """Sample (and accept) a token from output row `idx` of ctx's last decode."""
-        return int(C.llama_sampler_sample(self._h, ctx.handle, idx))
+        with call_clock(f"{ctx.name} sampling"):
+            return int(C.llama_sampler_sample(self._h, ctx.handle, idx))
 
     def _free(self, handle) -> None:
         C.llama_sampler_free(handle)
@@ -677,13 +718,29 @@ class _DevProps(ctypes.Structure):
 
 
 _ggml = None
+# llama_cpp._ggml opens lib/libggml.so, a copy of the lib/libggml.so.0 that libllama loads (the wheel stores
+# the links as files), so it has a ggml backend registry of its own; devices registered there (RPC) stay
+# invisible to llama.cpp. Use libllama's copy, already loaded, by its soname.
+_LIBGGML_SONAMES = ("libggml.so.0", "libggml.0.dylib")
+
+
+def _llama_libggml():
+    for name in _LIBGGML_SONAMES:
+        try:
+            return ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 4) | os.RTLD_LAZY)
+        except OSError:
+            continue
+    from llama_cpp._ggml import libggml
+
+    log.debug("libggml not found by soname; using llama_cpp._ggml's")
+    return libggml
 
 
 def _libggml():
-    """libggml with argtypes/restype set once for the device functions specq calls."""
+    """llama.cpp's libggml with argtypes/restype set once for the device functions specq calls."""
     global _ggml
     if _ggml is None:
-        from llama_cpp._ggml import libggml as lib
+        lib = _llama_libggml()
 
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         lib.ggml_backend_dev_count.argtypes, lib.ggml_backend_dev_count.restype = [], sz
@@ -701,6 +758,10 @@ def _libggml():
         lib.ggml_backend_reg_get_proc_address.argtypes = [vp, ctypes.c_char_p]
         lib.ggml_backend_reg_get_proc_address.restype = vp
         lib.ggml_backend_buft_name.argtypes, lib.ggml_backend_buft_name.restype = [vp], ctypes.c_char_p
+        lib.ggml_backend_reg_by_name.argtypes, lib.ggml_backend_reg_by_name.restype = [ctypes.c_char_p], vp
+        lib.ggml_backend_register.argtypes, lib.ggml_backend_register.restype = [vp], None
+        lib.ggml_backend_reg_dev_count.argtypes, lib.ggml_backend_reg_dev_count.restype = [vp], sz
+        lib.ggml_backend_reg_dev_get.argtypes, lib.ggml_backend_reg_dev_get.restype = [vp, sz], vp
         _ggml = lib
     return _ggml
 

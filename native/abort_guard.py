@@ -16,6 +16,7 @@ _pending: set[Path] = set()  # half-written outputs to remove if the process has
 _installed = None  # keeps the ctypes callback alive for the life of the process
 
 _ABORT_CB = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+_explainers: list = []  # message → a better line or None (native/rpc.py names a lost server)
 
 
 def track(path: Path) -> None:
@@ -27,9 +28,22 @@ def untrack(path: Path) -> None:
     _pending.discard(Path(path))
 
 
+def add_explainer(fn) -> None:
+    """fn(message) → the whole line to show for aborts it recognises, else None."""
+    if fn not in _explainers:
+        _explainers.append(fn)
+
+
 def abort_line(message: bytes | None) -> str:
     """The one line shown for a native abort (ggml's message is `file:line: text`)."""
     text = (message or b"").decode("utf-8", "replace").strip().replace("\n", " ")
+    for explain in _explainers:
+        try:
+            line = explain(text)
+        except Exception:  # never let a helper turn one line into a traceback inside abort()
+            line = None
+        if line:
+            return line
     where, sep, rest = text.partition(": ")
     text = os.path.basename(where) + sep + rest  # the build folder's path says nothing to a user
     return (f"specq: error: llama.cpp aborted ({text}); the input triggered a check specq does not make yet: "

@@ -189,13 +189,18 @@ def verdict(system_info: str, gpu_offload: bool, devices: Sequence[dict], gpus: 
 
 
 # ---- the report --------------------------------------------------------------------------------
-def doctor_report() -> dict:
-    """The doctor report as data (the keys of `specq doctor --json`)."""
+def doctor_report(rpc_servers: str | None = None) -> dict:
+    """The doctor report as data (the keys of `specq doctor --json`); with `rpc_servers` ("HOST:PORT,...")
+    their devices are added first and listed with the local ones."""
     try:
         from . import _ffi
     except (OSError, RuntimeError, ImportError) as e:
         raise SpecqError(f"llama.cpp's library could not be loaded ({e}); reinstall llama-cpp-python "
                          "(docs/gpu.md has the CUDA recipe)") from e
+    from . import rpc
+
+    if rpc_servers:
+        rpc.connect(rpc_servers)
     info = _ffi.system_info()
     offload = _ffi.supports_gpu_offload()
     devs = _ffi.devices()
@@ -213,4 +218,5 @@ def doctor_report() -> dict:
         "nvidia_gpus": [asdict(g) for g in gpus],
         "verdict": verdict(info, offload, with_ids, gpus, version),
         "cpu": _ffi.cpu_policy().as_dict(),
+        "rpc": {**rpc.status(), "servers": rpc.servers(), "remote_devices": rpc.remote_devices()},
     }

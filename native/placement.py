@@ -25,14 +25,15 @@ class Placement:
     cpu_amx: bool = False  # let llama.cpp use its AMX weight buffer (native/cpu.py: off by default)
     flash_attn: str = "auto"  # the target's attention path: on, off or auto (llama.cpp's choice)
     draft_flash_attn: str = "auto"
+    rpc: tuple[str, ...] = ()  # RPC servers whose devices were added (--rpc)
 
     def engine_options(self) -> dict:
-        """Engine keyword arguments beyond ngl/ngl_draft (lists where it takes lists)."""
+        """Engine keyword arguments beyond ngl/ngl_draft (lists where it takes lists; [] is no device: the CPU)."""
         return {"main_gpu": self.main_gpu,
                 "tensor_split": list(self.tensor_split) if self.tensor_split else None,
                 "draft_tensor_split": list(self.draft_tensor_split) if self.draft_tensor_split else None,
-                "devices": list(self.devices) if self.devices else None,
-                "draft_devices": list(self.draft_devices) if self.draft_devices else None,
+                "devices": list(self.devices) if self.devices is not None else None,
+                "draft_devices": list(self.draft_devices) if self.draft_devices is not None else None,
                 "cpu_amx": self.cpu_amx, "flash_attn": self.flash_attn, "draft_flash_attn": self.draft_flash_attn}
 
 
@@ -51,6 +52,8 @@ def choose_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None) -> s
         raise UsageError(f"--flash-attn must be auto, on or off ({flag})")
     if flag != "auto":
         return flag
+    if devices is not None and not devices:  # no device at all: the CPU (the draft beside --rpc devices)
+        return "off"
     on_cpu = (ngl == 0 or not _ffi.supports_gpu_offload()) if not devices else \
         all(d.upper().startswith("CPU") for d in devices)
     return "off" if on_cpu else "auto"
@@ -85,8 +88,12 @@ def resolve_placement(target: str, draft: str | None, *, ctx: int, ngl: int | No
                       ngl_draft: int | None = None, vram_budget: str | None = None, main_gpu: int = 0,
                       tensor_split: str | None = None, device: str | None = None,
                       draft_device: str | None = None, cpu_amx: bool = False,
-                      flash_attn: str = "auto") -> Placement:
-    """Turn the placement flags into a Placement; an explicit --ngl/--ngl-draft wins over the planner."""
+                      flash_attn: str = "auto", rpc: str | None = None) -> Placement:
+    """Turn the placement flags into a Placement; an explicit --ngl/--ngl-draft wins over the planner.
+
+    --rpc adds the servers' devices (RPC0, RPC1, ...) to llama.cpp's list first: the target then spreads over
+    them and the local GPUs (llama.cpp's default order, remote first) or over --device; the draft stays on
+    the local GPUs, or the CPU, unless --draft-device says otherwise."""
     if ngl is not None and ngl < 0:
         raise UsageError(f"--ngl must be >= 0 ({ngl})")
     if ngl_draft is not None and ngl_draft < 0:
@@ -95,6 +102,14 @@ def resolve_placement(target: str, draft: str | None, *, ctx: int, ngl: int | No
         raise UsageError(f"--main-gpu must be >= 0 ({main_gpu})")
     split = parse_split(tensor_split)
     draft_split = None
+    endpoints: tuple[str, ...] = ()
+    local_gpus = None
+    if rpc:
+        from . import rpc as rpc_backend
+
+        endpoints = tuple(str(e) for e in rpc_backend.parse_endpoints(rpc))
+        rpc_backend.connect(rpc)  # probed first: an unreachable server is one line, before any model loads
+        local_gpus = tuple(rpc_backend.local_gpu_names())
     n_tgt, n_dft = ngl, ngl_draft
     if vram_budget is not None:
         from .plan import choose_layers
@@ -109,16 +124,22 @@ def resolve_placement(target: str, draft: str | None, *, ctx: int, ngl: int | No
         n_dft = plan_dft if n_dft is None else n_dft
         if split is None and len(plan.devices) > 1:
             split = tuple(float(x) for x in plan.tensor_split("target"))
-            draft_split = tuple(float(x) for x in plan.tensor_split("draft"))
+            local = [i for i, d in enumerate(plan.devices) if not d.endpoint]  # the draft never goes remote
+            shares = plan.tensor_split("draft")
+            draft_split = tuple(float(shares[i]) for i in local) if shares and len(local) > 1 else None
     gpu = default_ngl()
     n_tgt = gpu if n_tgt is None else n_tgt
     n_dft = gpu if n_dft is None else n_dft
-    if draft is not None and n_tgt > 0 and n_dft == 0 and _ffi.supports_gpu_offload():
+    if draft is not None and n_tgt > 0 and n_dft == 0 and _ffi.supports_gpu_offload() and local_gpus != ():
         log.warning("the target is on the GPU but the draft is on the CPU: drafting will be slow and "
                     "speculation may not pay; use --ngl-draft (or --vram-budget)")
     devices, draft_devices = parse_devices(device), parse_devices(draft_device)
+    if rpc and draft_devices is None:
+        draft_devices = local_gpus  # () → the CPU: never a remote device by default
     return Placement(ngl=n_tgt, ngl_draft=n_dft, main_gpu=main_gpu, tensor_split=split,
-                     draft_tensor_split=draft_split or split, devices=devices,
+                     draft_tensor_split=draft_split or (None if rpc else split), devices=devices,
                      draft_devices=draft_devices, cpu_amx=cpu_amx,
                      flash_attn=choose_flash_attn(flash_attn, n_tgt, devices),
-                     draft_flash_attn=choose_flash_attn(flash_attn, n_dft, draft_devices or devices))
+                     draft_flash_attn=choose_flash_attn(flash_attn, n_dft,
+                                                        draft_devices if draft_devices is not None else devices),
+                     rpc=endpoints)

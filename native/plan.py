@@ -181,6 +181,7 @@ class Device:
     name: str
     budget_bytes: int
     reserve_bytes: int = 0  # counted as used before anything is placed
+    endpoint: str | None = None  # an RPC server's device (--rpc): the target may go there, the draft never
 
 
 @dataclass
@@ -216,8 +217,11 @@ def _place(fill: _Fill, devices: Sequence[Device], which: str, shape: ModelShape
     parts = {"weights_bytes": 0, "kv_bytes": 0, "compute_bytes": 0}
     charged: set[int] = set()
     d = 0
+    local_only = which == "draft"
     for weights, kv, is_output in _items(shape, ngl, ctx_pad, cache_type):
         while True:
+            while local_only and d < len(devices) and devices[d].endpoint:
+                d += 1
             if d >= len(devices):
                 return None
             need = weights + kv
@@ -244,7 +248,7 @@ def _place_pair(devices, target, draft, ctx, cache_type, flash_attn, ngl_target)
     base = _Fill([dv.reserve_bytes for dv in devices])
     if any(u > dv.budget_bytes for u, dv in zip(base.used, devices)):
         return None
-    if draft is not None:
+    if draft is not None and any(not dv.endpoint for dv in devices):  # no local GPU: the draft runs on the CPU
         base = _place(base, devices, "draft", draft, draft.n_layer + 1, ctx, cache_type, flash_attn)
         if base is None:
             return None
@@ -295,6 +299,7 @@ class Plan:
         for i, d in enumerate(self.devices):
             devs.append({
                 "name": d.name, "budget_bytes": d.budget_bytes, "reserve_bytes": d.reserve_bytes,
+                "endpoint": d.endpoint,
                 "bytes": self.fill.used[i] if self.fill else 0,
                 "target_layers": self.fill.layers.get("target", [0] * len(self.devices))[i] if self.fill else 0,
                 "draft_layers": self.fill.layers.get("draft", [0] * len(self.devices))[i] if self.fill else 0,
@@ -374,9 +379,12 @@ def plan(target: str | ModelShape, draft: str | ModelShape | None, devices: Sequ
         return Plan(False, False, ctx, cache_type, flash_attn, devices, t, d, 0, 0, None,
                     f"the VRAM budget ({fmt_bytes(sum(x.budget_bytes for x in devices))}) is smaller than the "
                     f"per-device reserve; give more VRAM")
-    ngl_draft = d.n_layer + 1 if d else 0
+    draft_local = d is not None and any(not dv.endpoint for dv in devices)
+    ngl_draft = d.n_layer + 1 if draft_local else 0
     full_off = ngl == full
-    parts = [f"draft fully on the GPU ({ngl_draft}/{ngl_draft} layers)"] if d else []
+    parts = [f"draft fully on the GPU ({ngl_draft}/{ngl_draft} layers)"] if draft_local else []
+    if d is not None and not draft_local:
+        parts.append("draft on this machine's CPU (no local GPU beside the RPC devices)")
     if full_off:
         parts.append(f"target fully on the GPU ({ngl}/{full} layers)")
     elif ngl == 0:
@@ -399,14 +407,26 @@ def budget_devices(budget: str | float | int | Sequence[int], reserve_bytes: int
             raise UsageError(f"a VRAM fraction must be in (0, 1] ({budget})")
         from . import _ffi
 
-        gpus = [g for g in _ffi.devices() if g.type in ("GPU", "IGPU")]
-        if not gpus:
+        remote = _remote_devices(budget, reserve_bytes or 0)
+        gpus = [g for g in _ffi.devices() if g.type in ("GPU", "IGPU") and g.name not in {r.name for r in remote}]
+        if not gpus and not remote:
             raise PlanError("a VRAM budget needs a GPU, but this llama.cpp build lists none (CPU-only build, or "
                             "no usable driver); run `specq doctor`, or drop the budget")
-        return [Device(g.name, int(g.memory_free * budget), reserve_bytes or 0) for g in gpus]
+        return remote + [Device(g.name, int(g.memory_free * budget), reserve_bytes or 0) for g in gpus]
     sizes = [budget] if isinstance(budget, int) else list(budget)
     reserve = RESERVE_BYTES if reserve_bytes is None else reserve_bytes
-    return [Device(f"GPU{i}", int(s), reserve) for i, s in enumerate(sizes)]
+    return _remote_devices(1.0, reserve) + [Device(f"GPU{i}", int(s), reserve) for i, s in enumerate(sizes)]
+
+
+def _remote_devices(fraction: float, reserve: int) -> list[Device]:
+    """The RPC devices added with --rpc, first as llama.cpp orders them, sized by what their servers report."""
+    from . import _ffi, rpc
+
+    remote = rpc.remote_devices()
+    if not remote:
+        return []
+    return [Device(g.name, int(g.memory_free * fraction), reserve, remote[g.name])
+            for g in _ffi.devices() if g.name in remote]
 
 
 def choose_layers(target_path: str, draft_path: str | None, budget: str | float | int | Sequence[int],

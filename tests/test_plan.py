@@ -262,3 +262,14 @@ def test_cli_plan_malformed_size_exits_2(pair, bad):
     r = _cli("--target", pair[0], "--vram", bad)
     assert r.exit_code == 2
     assert r.stderr.strip().startswith("specq: error:") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_the_draft_is_never_planned_onto_a_remote_device(tiny_target, tiny_close):
+    from specq.native.plan import Device, plan
+
+    remote = Device("RPC0", 8 << 30, 0, "10.0.0.2:50052")
+    p = plan(str(tiny_target), str(tiny_close), [remote, Device("GPU0", 1 << 30, 0)], ctx=512)
+    assert p.fits and p.fill.layers["draft"] == [0, p.ngl_draft] and p.ngl_draft > 0
+    alone = plan(str(tiny_target), str(tiny_close), [remote], ctx=512)
+    assert alone.fits and alone.ngl_draft == 0 and alone.fill.layers.get("draft") is None
+    assert alone.fill.layers["target"] == [alone.ngl] and "draft on this machine's CPU" in alone.reason
