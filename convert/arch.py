@@ -6,19 +6,21 @@ Names and keys come from gguf's own tables (MODEL_ARCH, TensorNameMap, the GGUFW
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gguf
 import numpy as np
 
 from ..errors import ConversionError
+from . import qwen35
 from .source import read_json
 
 SUPPORTED = {
     "LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA,
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
+    **{name: qwen35.QWEN35 for name in qwen35.HF_ARCHS},
 }
 # HF tensors that carry no weights llama.cpp needs.
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -44,6 +46,7 @@ class ArchSpec:
     torch_dtype: str | None
     rope_scaling: dict = field(default_factory=dict)
     explicit_head_dim: bool = False
+    qwen35: qwen35.Qwen35Params | None = None  # qwen35 only
 
     @property
     def arch_name(self) -> str:
@@ -66,6 +69,8 @@ def read_config(path: Path, where: str) -> ArchSpec:
         # We never import model code; a custom architecture would silently convert wrong.
         raise ConversionError(f"checkpoint declares custom model code (auto_map in {where}); specq never runs "
                               "remote code and converts only the standard architectures")
+    if SUPPORTED[hf_arch] == qwen35.QWEN35:
+        cfg = qwen35.text_config(cfg)
     try:
         n_embd = int(cfg["hidden_size"])
         n_head = int(cfg["num_attention_heads"])
@@ -95,6 +100,13 @@ def read_config(path: Path, where: str) -> ArchSpec:
     if spec.n_head % spec.n_head_kv:
         raise ConversionError(f"num_attention_heads {spec.n_head} is not a multiple of num_key_value_heads "
                               f"{spec.n_head_kv} ({where}); the config is inconsistent")
+    if spec.arch == qwen35.QWEN35:
+        try:
+            rs = {k: v for k, v in spec.rope_scaling.items() if v != "mrope"}  # text positions: plain RoPE
+            spec = replace(spec, qwen35=qwen35.read_params(cfg, spec.head_dim, where), rope_scaling=rs)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConversionError(f"config.json lacks or mangles a Qwen3.5 field ({where}: {e}); "
+                                  "the checkpoint is incomplete")
     return spec
 
 
@@ -126,6 +138,8 @@ def write_hparams(w: gguf.GGUFWriter, s: ArchSpec) -> None:
     elif rope_type not in ("", "default", "llama3"):
         raise ConversionError(f"unsupported RoPE scaling {rope_type!r} in {s.hf_arch}; specq handles linear, "
                               "yarn and llama3")
+    if s.qwen35 is not None:
+        qwen35.write_hparams(w, s.qwen35)
 
 
 def rope_freqs(s: ArchSpec) -> np.ndarray | None:
