@@ -36,6 +36,17 @@ TOP_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "vram_gib": (_NUMBER, "a number"),
     "settings": ((dict,), "a table"),
 }
+# Optional keys: how the pair's vocabularies were checked, and the variant for two 24 GB cards.
+OPTIONAL_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
+    "vocab_verified": ((bool,), "true or false"),
+    "vocab_check": ((str,), "a string saying by what (or why not)"),
+    "two_gpus": ((dict,), "a table"),
+}
+TWO_GPU_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
+    "target_quant": ((str,), "a quant type name"),
+    "context_length": ((int,), "an integer"),
+    "vram_gib": (_NUMBER, "a number"),
+}
 SETTINGS_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "draft_max": ((int, str), "an integer or \"auto\""),
     "draft_min": ((int,), "an integer"),
@@ -57,6 +68,9 @@ class Preset:
     gguf_gib: float
     vram_gib: float
     settings: dict[str, Any] = field(default_factory=dict)
+    vocab_verified: bool | None = None  # None: the preset does not say
+    vocab_check: str = ""
+    two_gpus: dict[str, Any] = field(default_factory=dict)
 
     def manifest_settings(self) -> dict[str, Any]:
         """What `convert --preset` writes into the manifest's [settings] (bench/chat read these)."""
@@ -66,23 +80,34 @@ class Preset:
         return asdict(self)
 
 
-def _check_keys(doc: dict, schema: dict, where: str) -> None:
+def _check_keys(doc: dict, schema: dict, where: str, optional: dict | None = None) -> None:
+    known = {**schema, **(optional or {})}
     for key in doc:
-        if key not in schema:
-            raise ManifestError(f"unknown key in preset ({where}: {key}); the keys are {', '.join(schema)}")
-    for key, (types, what) in schema.items():
+        if key not in known:
+            raise ManifestError(f"unknown key in preset ({where}: {key}); the keys are {', '.join(known)}")
+    for key, (types, what) in known.items():
         if key not in doc:
-            raise ManifestError(f"missing key in preset ({where}: {key}); add it as {what}")
+            if key in schema:
+                raise ManifestError(f"missing key in preset ({where}: {key}); add it as {what}")
+            continue
         v = doc[key]
         # TOML booleans are Python ints; a boolean is never a valid count or size here.
-        if isinstance(v, bool) or not isinstance(v, types):
+        if (isinstance(v, bool) and bool not in types) or not isinstance(v, types):
             raise ManifestError(f"wrong type in preset ({where}: {key} = {v!r}); it must be {what}")
 
 
 def parse_preset(doc: dict, where: str) -> Preset:
     """Validate one parsed preset file; `where` names it in error messages."""
-    _check_keys(doc, TOP_KEYS, where)
+    _check_keys(doc, TOP_KEYS, where, OPTIONAL_KEYS)
     _check_keys(doc["settings"], SETTINGS_KEYS, f"{where} [settings]")
+    two = doc.get("two_gpus")
+    if two is not None:
+        _check_keys(two, TWO_GPU_KEYS, f"{where} [two_gpus]")
+        if two["target_quant"] not in QUANT_TYPES or two["context_length"] < 256 or two["vram_gib"] <= 0:
+            raise ManifestError(f"preset [two_gpus] value out of range ({where}); need a known target_quant, "
+                                "context_length >= 256 and vram_gib > 0")
+    if ("vocab_verified" in doc) != ("vocab_check" in doc):
+        raise ManifestError(f"preset vocab_verified and vocab_check go together ({where}); give both or neither")
     if not _NAME.match(doc["name"]):
         raise ManifestError(f"preset name must be lower-case letters, digits, '.', '-' ({where}: {doc['name']!r})")
     for key in ("target", "draft"):
@@ -110,7 +135,10 @@ def parse_preset(doc: dict, where: str) -> Preset:
     values = {k: doc[k] for k in TOP_KEYS if k != "settings"}
     for key in ("download_gib", "gguf_gib", "vram_gib"):
         values[key] = float(values[key])
-    return Preset(**values, settings={**s, "p_min": float(s["p_min"])})
+    extra = {k: doc[k] for k in OPTIONAL_KEYS if k in doc}
+    if "two_gpus" in extra:
+        extra["two_gpus"] = {**extra["two_gpus"], "vram_gib": float(extra["two_gpus"]["vram_gib"])}
+    return Preset(**values, settings={**s, "p_min": float(s["p_min"])}, **extra)
 
 
 def load_presets() -> dict[str, Preset]:

