@@ -144,6 +144,7 @@ class MappedFiles:
                 chunk = np.frombuffer(m, dtype=dt, count=n * ref.row_elems, offset=lo).reshape((n,) + ref.shape[1:])
                 yield chunk.copy()
                 _drop(m, lo, lo + n * row_bytes)
+        _drop(m, ref.start, ref.end)  # pages the kernel mapped around the runs (fault-around) go too
 
     def close(self) -> None:
         for f, m in self._maps.values():
