@@ -20,7 +20,7 @@ SUPPORTED = {
     "LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA,
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
-    **{name: qwen35.QWEN35 for name in qwen35.HF_ARCHS},
+    **qwen35.HF_ARCHS,
 }
 # HF tensors that carry no weights llama.cpp needs.
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -69,7 +69,7 @@ def read_config(path: Path, where: str) -> ArchSpec:
         # We never import model code; a custom architecture would silently convert wrong.
         raise ConversionError(f"checkpoint declares custom model code (auto_map in {where}); specq never runs "
                               "remote code and converts only the standard architectures")
-    if SUPPORTED[hf_arch] == qwen35.QWEN35:
+    if SUPPORTED[hf_arch] in qwen35.ARCHS:
         cfg = qwen35.text_config(cfg)
     try:
         n_embd = int(cfg["hidden_size"])
@@ -100,10 +100,11 @@ def read_config(path: Path, where: str) -> ArchSpec:
     if spec.n_head % spec.n_head_kv:
         raise ConversionError(f"num_attention_heads {spec.n_head} is not a multiple of num_key_value_heads "
                               f"{spec.n_head_kv} ({where}); the config is inconsistent")
-    if spec.arch == qwen35.QWEN35:
+    if spec.arch in qwen35.ARCHS:
         try:
             rs = {k: v for k, v in spec.rope_scaling.items() if v != "mrope"}  # text positions: plain RoPE
-            spec = replace(spec, qwen35=qwen35.read_params(cfg, spec.head_dim, where), rope_scaling=rs)
+            p = qwen35.read_params(cfg, spec.head_dim, where, moe=spec.arch == qwen35.QWEN35MOE)
+            spec = replace(spec, qwen35=p, rope_scaling=rs)
         except (KeyError, TypeError, ValueError) as e:
             raise ConversionError(f"config.json lacks or mangles a Qwen3.5 field ({where}: {e}); "
                                   "the checkpoint is incomplete")

@@ -1,5 +1,5 @@
-"""Qwen3.5 / Qwen3.6 (llama.cpp `qwen35`): Gated DeltaNet linear-attention layers, a gated full-attention
-layer every few, and multi-token-prediction (MTP/NextN) blocks after the trunk.
+"""Qwen3.5 / Qwen3.6 (llama.cpp `qwen35`, and `qwen35moe`): Gated DeltaNet linear-attention layers, a gated
+full-attention layer every few, and multi-token-prediction (MTP/NextN) blocks after the trunk.
 
 What llama.cpp's loader (src/models/qwen35.cpp) reads, with the transforms its converter applies:
 - RMSNorm weights are stored as w with the norm computing (1 + w); llama.cpp multiplies by the weight, so
@@ -9,6 +9,8 @@ What llama.cpp's loader (src/models/qwen35.cpp) reads, with the transforms its c
   tiled, so the value heads are reordered (rows of qkv's V part, z, a, b, the conv's V channels, A, dt;
   columns of out_proj).
 - MTP blocks `mtp.*` become extra layers n_trunk.. with `nextn.*` tensors; `--no-mtp` drops them.
+- MoE: the fused [experts, 2 * n_ff, n_embd] gate_up tensor is written as ffn_gate_exps and ffn_up_exps; the
+  router and the shared expert's gate stay F32. Checkpoints with one tensor per expert are refused.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from .checkpoint import TensorRef
 log = logging.getLogger("specq.convert")
 
 QWEN35 = gguf.MODEL_ARCH.QWEN35
-HF_ARCHS = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+QWEN35MOE = gguf.MODEL_ARCH.QWEN35MOE
+ARCHS = (QWEN35, QWEN35MOE)
+HF_ARCHS = {"Qwen3_5ForCausalLM": QWEN35, "Qwen3_5ForConditionalGeneration": QWEN35,
+            "Qwen3_5MoeForCausalLM": QWEN35MOE, "Qwen3_5MoeForConditionalGeneration": QWEN35MOE}
 # Transformers' Qwen3.5 rotary default; llama.cpp's loader requires the key, so it is always written.
 DEFAULT_SECTIONS = (11, 11, 10, 0)
 # gguf 0.19 predates this key; llama.cpp (src/llama-arch.cpp) names it so.
@@ -56,6 +61,10 @@ class Qwen35Params:
     n_rot: int
     sections: tuple[int, int, int, int]
     sections_given: bool
+    n_expert: int = 0  # qwen35moe: routed experts (0: dense FFN)
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
 
     @property
     def v_per_k(self) -> int:
@@ -71,10 +80,13 @@ class Qwen35Params:
 
 def text_config(cfg: dict) -> dict:
     """A multimodal checkpoint keeps the language model's fields under text_config."""
-    return {**cfg, **(cfg.get("text_config") or {})}
+    cfg = {**cfg, **(cfg.get("text_config") or {})}
+    if "intermediate_size" not in cfg and "moe_intermediate_size" in cfg:
+        cfg["intermediate_size"] = cfg["moe_intermediate_size"]  # MoE configs may name only the expert size
+    return cfg
 
 
-def read_params(cfg: dict, head_dim: int, where: str) -> Qwen35Params:
+def read_params(cfg: dict, head_dim: int, where: str, moe: bool = False) -> Qwen35Params:
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     n_trunk = int(cfg["num_hidden_layers"])
@@ -93,6 +105,10 @@ def read_params(cfg: dict, head_dim: int, where: str) -> Qwen35Params:
         full_attention_interval=int(cfg.get("full_attention_interval") or 4), n_rot=int(head_dim * partial),
         sections=tuple((list(sections) + [0, 0, 0, 0])[:4]) if sections else DEFAULT_SECTIONS,
         sections_given=bool(sections))
+    if moe:
+        p = replace(p, n_expert=int(cfg["num_experts"]), n_expert_used=int(cfg["num_experts_per_tok"]),
+                    n_ff_exp=int(cfg["moe_intermediate_size"]),
+                    n_ff_shexp=int(cfg.get("shared_expert_intermediate_size") or 0))
     if p.v_heads % p.k_heads:
         raise ConversionError(f"linear_num_value_heads {p.v_heads} is not a multiple of linear_num_key_heads "
                               f"{p.k_heads} ({where}); the config is inconsistent")
@@ -117,6 +133,12 @@ def write_hparams(w: gguf.GGUFWriter, p: Qwen35Params) -> None:
     w.add_rope_dimension_sections(list(p.sections))
     if p.n_mtp:
         w.add_nextn_predict_layers(p.n_mtp)
+    if p.n_expert:
+        w.add_expert_count(p.n_expert)
+        w.add_expert_used_count(p.n_expert_used)
+        w.add_expert_feed_forward_length(p.n_ff_exp)
+        if p.n_ff_shexp:
+            w.add_expert_shared_feed_forward_length(p.n_ff_shexp)
 
 
 # ---- names ---------------------------------------------------------------------------------------
@@ -145,7 +167,16 @@ def _gguf_name(hf: str, n_trunk: int, n_block: int, nmap: gguf.TensorNameMap) ->
             return None, mtp
     if hf.endswith(".linear_attn.dt_bias"):
         hf = hf[: -len("dt_bias")] + "dt_proj.bias"
+    if hf.endswith((".mlp.experts.down_proj", ".mlp.experts.gate_up_proj")):
+        hf += ".weight"  # fused expert tensors come without the suffix
+    if hf.endswith(".mlp.experts.gate_up_proj.weight"):
+        # one [experts, 2 * n_ff, n_embd] tensor: gate rows first, then up (written as two tensors, as upstream)
+        name = nmap.get_name(hf.replace("gate_up_proj", "gate_proj"), try_suffixes=(".weight",))
+        return (name + _UP_TOO if name else None), mtp
     return nmap.get_name(hf, try_suffixes=(".weight", ".bias")), mtp
+
+
+_UP_TOO = "|up"  # marks a fused gate_up tensor: it feeds ffn_gate_exps and ffn_up_exps
 
 
 def map_tensors(spec, raw: dict[str, TensorRef], where: str, keep_mtp: bool):
@@ -164,17 +195,23 @@ def map_tensors(spec, raw: dict[str, TensorRef], where: str, keep_mtp: bool):
     p = replace(p, n_mtp=n_mtp)
     n_block = p.n_trunk + n_mtp
     spec = replace(spec, n_layer=n_block, qwen35=p)
-    nmap = gguf.get_tensor_name_map(QWEN35, n_block)
+    nmap = gguf.get_tensor_name_map(spec.arch, n_block)
     tensors: dict[str, TensorRef] = {}
     for hf, ref in raw.items():
         if hf.startswith(_SKIP_PREFIXES) or hf.endswith("rotary_emb.inv_freq"):
             continue
+        if p.n_expert and re.search(r"\.mlp\.experts\.\d+\.", hf):
+            raise ConversionError(f"checkpoint stores its experts one tensor each ({hf}, {where}); specq converts "
+                                  "Qwen3.5-MoE checkpoints with fused expert tensors (as Qwen publishes them)")
         name, mtp = _gguf_name(hf, p.n_trunk, n_block, nmap)
         if mtp is not None and not keep_mtp:
             continue
         if name is None:
             raise ConversionError(f"tensor {hf} has no llama.cpp equivalent for {spec.hf_arch} ({where}); the "
                                   f"checkpoint is not a plain {spec.hf_arch}")
+        if name.endswith(_UP_TOO):
+            name = name[: -len(_UP_TOO)]
+            tensors[name.replace("ffn_gate_exps", "ffn_up_exps")] = ref
         tensors[name] = ref
     check_shapes(spec, tensors, where)
     return spec, tensors
@@ -197,9 +234,19 @@ def expected(spec, n_vocab: int) -> dict[str, tuple[tuple[int, ...], bool]]:
 
     for il in range(p.n_trunk + p.n_mtp):
         b = f"blk.{il}."
-        out.update({b + "attn_norm.weight": ((e,), True), b + "post_attention_norm.weight": ((e,), True),
-                    b + "ffn_gate.weight": ((ff, e), True), b + "ffn_up.weight": ((ff, e), True),
-                    b + "ffn_down.weight": ((e, ff), True)})
+        out.update({b + "attn_norm.weight": ((e,), True), b + "post_attention_norm.weight": ((e,), True)})
+        if p.n_expert:
+            n, f, fs = p.n_expert, p.n_ff_exp, p.n_ff_shexp
+            out.update({b + "ffn_gate_inp.weight": ((n, e), True),
+                        b + "ffn_gate_exps.weight": ((n, 2 * f, e), True),  # the fused gate_up tensor
+                        b + "ffn_up_exps.weight": ((n, 2 * f, e), True),
+                        b + "ffn_down_exps.weight": ((n, e, f), True)})
+            if fs:
+                out.update({b + "ffn_gate_inp_shexp.weight": ((1, e), True), b + "ffn_gate_shexp.weight": ((fs, e), True),
+                            b + "ffn_up_shexp.weight": ((fs, e), True), b + "ffn_down_shexp.weight": ((e, fs), True)})
+        else:
+            out.update({b + "ffn_gate.weight": ((ff, e), True), b + "ffn_up.weight": ((ff, e), True),
+                        b + "ffn_down.weight": ((e, ff), True)})
         if il >= p.n_trunk:
             full_attention(b)
             out.update({b + "nextn.eh_proj.weight": ((e, 2 * e), True), b + "nextn.enorm.weight": ((e,), True),
@@ -292,6 +339,12 @@ def adjust_job(job, p: Qwen35Params) -> None:
     elif name.endswith(".ssm_out.weight") and p.v_per_k > 1:
         perm = _perm(v_head_runs(p, p.v_dim))
         job.transform = lambda c: c[:, perm]
+    elif name.endswith((".ffn_gate_exps.weight", ".ffn_up_exps.weight")):
+        f = p.n_ff_exp
+        job.shape = (ref.shape[0], f) + ref.shape[2:]
+        job.transform = (lambda c: c[:, :f]) if ".ffn_gate_exps." in name else (lambda c: c[:, f:])
+    elif name.endswith((".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight")):
+        job.out_type = gguf.GGMLQuantizationType.F32  # router weights stay F32, as upstream writes them
 
 
 def mtp_names(p: Qwen35Params, names) -> list[str]:

@@ -46,6 +46,10 @@ class Qwen35Spec:
     dtype: str = "BF16"
     rope_theta: float = 10000.0
     eps: float = 1e-6
+    n_expert: int = 0  # > 0: Qwen3_5Moe (fused expert tensors, a gated shared expert)
+    n_expert_used: int = 2
+    n_ff_exp: int = 32
+    n_ff_shexp: int = 48
 
     def is_linear(self, i: int) -> bool:
         return self.linear[i] if self.linear is not None else (i + 1) % self.interval != 0
@@ -76,9 +80,17 @@ def make_weights(spec: Qwen35Spec, n_rows: int) -> dict[str, np.ndarray]:
         return (0.2 * rng.standard_normal(n)).astype(np.float32)
 
     def layer(p: str, linear: bool) -> dict[str, np.ndarray]:
-        w = {p + "input_layernorm.weight": offset(d), p + "post_attention_layernorm.weight": offset(d),
-             p + "mlp.gate_proj.weight": mat(ff, d), p + "mlp.up_proj.weight": mat(ff, d),
-             p + "mlp.down_proj.weight": mat(d, ff)}
+        w = {p + "input_layernorm.weight": offset(d), p + "post_attention_layernorm.weight": offset(d)}
+        if spec.n_expert:
+            n, f, fs = spec.n_expert, spec.n_ff_exp, spec.n_ff_shexp
+            w.update({p + "mlp.gate.weight": mat(n, d, 2.0 / np.sqrt(d)),
+                      p + "mlp.experts.gate_up_proj": (rng.standard_normal((n, 2 * f, d)) / np.sqrt(d)).astype(np.float32),
+                      p + "mlp.experts.down_proj": (rng.standard_normal((n, d, f)) / np.sqrt(f)).astype(np.float32),
+                      p + "mlp.shared_expert.gate_proj.weight": mat(fs, d), p + "mlp.shared_expert.up_proj.weight": mat(fs, d),
+                      p + "mlp.shared_expert.down_proj.weight": mat(d, fs), p + "mlp.shared_expert_gate.weight": mat(1, d)})
+        else:
+            w.update({p + "mlp.gate_proj.weight": mat(ff, d), p + "mlp.up_proj.weight": mat(ff, d),
+                      p + "mlp.down_proj.weight": mat(d, ff)})
         if linear:
             a = p + "linear_attn."
             w.update({a + "in_proj_qkv.weight": mat(2 * key + value, d), a + "in_proj_z.weight": mat(value, d),
@@ -135,15 +147,21 @@ def write_checkpoint(d: Path, spec: Qwen35Spec = Qwen35Spec(), tokenizer: Tokeni
         "mtp_num_hidden_layers": 1, "hidden_act": "silu", "eos_token_id": eos,
         "dtype": {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[spec.dtype],
     }
+    if spec.n_expert:
+        text.update({"num_experts": spec.n_expert, "num_experts_per_tok": spec.n_expert_used,
+                     "moe_intermediate_size": spec.n_ff_exp, "shared_expert_intermediate_size": spec.n_ff_shexp,
+                     "norm_topk_prob": True})
+        del text["intermediate_size"]
     if spec.layer_types:
         text["layer_types"] = ["linear_attention" if spec.is_linear(i) else "full_attention"
                                for i in range(spec.n_layer)]
+    moe = "Moe" if spec.n_expert else ""
     if spec.multimodal:
-        cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        cfg = {"architectures": [f"Qwen3_5{moe}ForConditionalGeneration"], "model_type": "qwen3_5",
                "text_config": text, "vision_config": {"depth": 1, "hidden_size": 8},
                "tie_word_embeddings": spec.tied}
     else:
-        cfg = {"architectures": ["Qwen3_5ForCausalLM"], **text, "model_type": "qwen3_5_text"}
+        cfg = {"architectures": [f"Qwen3_5{moe}ForCausalLM"], **text, "model_type": "qwen3_5_text"}
     (d / "config.json").write_text(json.dumps(cfg, indent=1), encoding="utf-8")
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}), encoding="utf-8")
     write_safetensors(d / "model.safetensors", make_weights(spec, n_rows), spec.dtype)
@@ -219,6 +237,28 @@ def _attention(w: dict, a: str, h: np.ndarray, spec: Qwen35Spec) -> np.ndarray:
     return (out.reshape(t, -1) * (1 / (1 + np.exp(-gate)))) @ w[a + "o_proj.weight"].T
 
 
+def _swiglu(h: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    return (_silu(h @ gate.T) * (h @ up.T)) @ down.T
+
+
+def _moe(w: dict, p: str, h: np.ndarray, spec: Qwen35Spec) -> np.ndarray:
+    """Qwen3.5-MoE's sparse block: softmax router, top-k renormalised, plus a sigmoid-gated shared expert."""
+    logits = h @ w[p + "gate.weight"].T
+    prob = np.exp(logits - logits.max(-1, keepdims=True))
+    prob /= prob.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    f = spec.n_ff_exp
+    for t in range(h.shape[0]):
+        top = np.argsort(-prob[t])[:spec.n_expert_used]
+        wt = prob[t, top] / prob[t, top].sum()
+        for e, we in zip(top, wt):
+            gu = w[p + "experts.gate_up_proj"][e]
+            out[t] += we * _swiglu(h[t:t + 1], gu[:f], gu[f:], w[p + "experts.down_proj"][e])[0]
+    shared = _swiglu(h, w[p + "shared_expert.gate_proj.weight"], w[p + "shared_expert.up_proj.weight"],
+                     w[p + "shared_expert.down_proj.weight"])
+    return out + shared / (1 + np.exp(-(h @ w[p + "shared_expert_gate.weight"].T)))
+
+
 def reference_logits(d: Path, spec: Qwen35Spec, tokens: list[int]) -> np.ndarray:
     w = read_safetensors(d / "model.safetensors")
     lm = "model.language_model." if spec.multimodal else "model."
@@ -231,8 +271,10 @@ def reference_logits(d: Path, spec: Qwen35Spec, tokens: list[int]) -> np.ndarray
         else:
             x = x + _attention(w, p + "self_attn.", h, spec)
         h = _norm(x, spec.eps) * (1 + w[p + "post_attention_layernorm.weight"])
-        x = x + (_silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) \
-            @ w[p + "mlp.down_proj.weight"].T
+        if spec.n_expert:
+            x = x + _moe(w, p + "mlp.", h, spec)
+        else:
+            x = x + _swiglu(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
     x = _norm(x, spec.eps) * (1 + w[lm + "norm.weight"])
     head = w["lm_head.weight"] if "lm_head.weight" in w else w[lm + "embed_tokens.weight"]
     return x @ head.T

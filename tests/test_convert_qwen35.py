@@ -31,6 +31,9 @@ CASES = {
                                    seed=1),
     # the text part of Qwen3_5ForConditionalGeneration, equal key/value heads, no layer_types
     "multimodal-f32": Qwen35Spec(dtype="F32", multimodal=True, v_heads=2, layer_types=False, n_layer=8, seed=2),
+    # qwen35moe: fused [experts, 2 * n_ff, n_embd] gate_up tensors split in two, a gated shared expert
+    "moe-f32": Qwen35Spec(dtype="F32", n_expert=4, seed=3),
+    "moe-multimodal-f32": Qwen35Spec(dtype="F32", n_expert=4, multimodal=True, mtp=False, seed=4),
 }
 
 
@@ -210,13 +213,14 @@ def test_cli_reports_mtp_and_drops_it_on_request(tmp_path):
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     src = write_checkpoint(tmp_path / "hf", Qwen35Spec(n_layer=4, seed=8))
     cfg = json.loads((src / "config.json").read_text())
-    cfg["architectures"] = ["Qwen3_5MoeForCausalLM"]
+    cfg["architectures"] = ["Qwen3NextForCausalLM"]
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConversionError) as e:
         convert_pair(str(src), tmp_path / "out", quant=None)
     msg = str(e.value)
-    assert "unsupported architecture Qwen3_5MoeForCausalLM" in msg
-    for name in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3ForCausalLM", "LlamaForCausalLM"):
+    assert "unsupported architecture Qwen3NextForCausalLM" in msg
+    for name in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                 "Qwen3ForCausalLM", "LlamaForCausalLM"):
         assert name in msg
 
 
@@ -280,3 +284,49 @@ def test_reordered_rows_stream_and_leave_no_pages_mapped(tmp_path):
         assert _mapped_kib(tmp_path / "t.safetensors") < 256
     want = np.concatenate([np.arange(a, b) for a, b in runs]).astype(np.float32)
     assert np.array_equal(got[:, 0], want) and np.array_equal(got[:, -1], want)
+
+
+def test_moe_keys_and_expert_tensors(tmp_path):
+    spec = Qwen35Spec(n_expert=4, seed=13)
+    src = write_checkpoint(tmp_path / "hf", spec)
+    res = convert_pair(str(src), tmp_path / "out", quant=None)
+    r, got = read_gguf(res.target_path)
+    f = r.fields
+    assert f["general.architecture"].contents() == "qwen35moe"
+    assert f["qwen35moe.expert_count"].contents() == 4 and f["qwen35moe.expert_used_count"].contents() == 2
+    assert f["qwen35moe.expert_feed_forward_length"].contents() == spec.n_ff_exp
+    assert f["qwen35moe.expert_shared_feed_forward_length"].contents() == spec.n_ff_shexp
+    w = read_safetensors(src / "model.safetensors")
+    fe = spec.n_ff_exp
+    for i in (0, spec.n_layer):  # a trunk layer and the MTP block
+        p = f"model.layers.{i}.mlp." if i < spec.n_layer else "mtp.layers.0.mlp."
+        gu = w[p + "experts.gate_up_proj"]
+        want = {"ffn_gate_exps.weight": (gu[:, :fe], "bf16"), "ffn_up_exps.weight": (gu[:, fe:], "bf16"),
+                "ffn_down_exps.weight": (w[p + "experts.down_proj"], "bf16"),
+                "ffn_gate_inp.weight": (w[p + "gate.weight"], "f32"),
+                "ffn_gate_inp_shexp.weight": (w[p + "shared_expert_gate.weight"], "f32"),
+                "ffn_down_shexp.weight": (w[p + "shared_expert.down_proj.weight"], "bf16")}
+        for name, (values, kind) in want.items():
+            t = got[f"blk.{i}.{name}"]
+            data = np.asarray(t.data)
+            if kind == "bf16":
+                assert t.tensor_type == gguf.GGMLQuantizationType.BF16, name
+                assert np.array_equal(data.view(np.uint16).reshape(values.shape), to_bf16_bits(values)), name
+            else:
+                assert t.tensor_type == gguf.GGMLQuantizationType.F32, name
+                assert np.array_equal(data.reshape(values.shape), _bf16(values)), name
+    assert not [n for n in got if ".ffn_gate.weight" in n or ".ffn_up.weight" in n]
+
+
+def test_moe_per_expert_tensors_are_refused(tmp_path):
+    from hfmodels import write_safetensors
+
+    spec = Qwen35Spec(n_expert=4, seed=14, mtp=False)
+    src = write_checkpoint(tmp_path / "hf", spec)
+    w = {k: v.astype(np.float32) for k, v in read_safetensors(src / "model.safetensors").items()}
+    gu = w.pop("model.layers.0.mlp.experts.gate_up_proj")
+    for e in range(spec.n_expert):
+        w[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = gu[e, :spec.n_ff_exp]
+    write_safetensors(src / "model.safetensors", w, "BF16")
+    with pytest.raises(ConversionError, match="stores its experts one tensor each"):
+        convert_pair(str(src), tmp_path / "out", quant=None)
