@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 
 from ..errors import ConversionError
-from . import qwen35
+from . import gemma3, qwen35
 from .source import read_json
 
 SUPPORTED = {
@@ -21,6 +21,7 @@ SUPPORTED = {
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
     **qwen35.HF_ARCHS,
+    **{name: gemma3.GEMMA3 for name in gemma3.HF_ARCHS},
 }
 # HF tensors that carry no weights llama.cpp needs.
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -47,6 +48,7 @@ class ArchSpec:
     rope_scaling: dict = field(default_factory=dict)
     explicit_head_dim: bool = False
     qwen35: qwen35.Qwen35Params | None = None  # qwen35 only
+    gemma: gemma3.Gemma3Params | None = None  # gemma3 only
 
     @property
     def arch_name(self) -> str:
@@ -71,6 +73,8 @@ def read_config(path: Path, where: str) -> ArchSpec:
                               "remote code and converts only the standard architectures")
     if SUPPORTED[hf_arch] in qwen35.ARCHS:
         cfg = qwen35.text_config(cfg)
+    if SUPPORTED[hf_arch] == gemma3.GEMMA3:
+        cfg = gemma3.text_config(cfg)
     try:
         n_embd = int(cfg["hidden_size"])
         n_head = int(cfg["num_attention_heads"])
@@ -108,6 +112,12 @@ def read_config(path: Path, where: str) -> ArchSpec:
         except (KeyError, TypeError, ValueError) as e:
             raise ConversionError(f"config.json lacks or mangles a Qwen3.5 field ({where}: {e}); "
                                   "the checkpoint is incomplete")
+    if spec.arch == gemma3.GEMMA3:
+        try:
+            p = gemma3.read_params(cfg, where)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConversionError(f"config.json mangles a Gemma 3 field ({where}: {e}); the checkpoint is incomplete")
+        spec = replace(spec, rope_theta=p.rope_theta, rope_scaling={}, gemma=p)  # scaling: global layers only
     return spec
 
 
@@ -141,6 +151,8 @@ def write_hparams(w: gguf.GGUFWriter, s: ArchSpec) -> None:
                               "yarn and llama3")
     if s.qwen35 is not None:
         qwen35.write_hparams(w, s.qwen35)
+    if s.gemma is not None:
+        gemma3.write_hparams(w, s.gemma)
 
 
 def rope_freqs(s: ArchSpec) -> np.ndarray | None:
@@ -178,6 +190,10 @@ class NameMap:
         """The GGUF name, None for tensors llama.cpp does not use; ConversionError for unknown ones."""
         if hf_name.endswith(SKIPPED_SUFFIXES):
             return None
+        if self.spec.gemma is not None:
+            hf_name = gemma3.text_name(hf_name)  # multimodal checkpoints: the language model's part
+            if hf_name is None:
+                return None
         name = self._map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ConversionError(f"tensor {hf_name} has no llama.cpp equivalent for {self.spec.hf_arch}; "

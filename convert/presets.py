@@ -34,18 +34,13 @@ TOP_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "download_gib": (_NUMBER, "a number"),
     "gguf_gib": (_NUMBER, "a number"),
     "vram_gib": (_NUMBER, "a number"),
+    "vocab_verified": ((str,), "what verified the two vocabularies compatible, or \"no\""),
     "settings": ((dict,), "a table"),
 }
-# Optional keys: how the pair's vocabularies were checked, and the variant for two 24 GB cards.
+# Optional: the pair on two 24 GiB cards (a longer context; VRAM summed over both cards).
 OPTIONAL_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
-    "vocab_verified": ((bool,), "true or false"),
-    "vocab_check": ((str,), "a string saying by what (or why not)"),
-    "two_gpus": ((dict,), "a table"),
-}
-TWO_GPU_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
-    "target_quant": ((str,), "a quant type name"),
-    "context_length": ((int,), "an integer"),
-    "vram_gib": (_NUMBER, "a number"),
+    "context_length_two_cards": ((int,), "an integer"),
+    "vram_gib_two_cards": (_NUMBER, "a number"),
 }
 SETTINGS_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "draft_max": ((int, str), "an integer or \"auto\""),
@@ -67,10 +62,10 @@ class Preset:
     download_gib: float
     gguf_gib: float
     vram_gib: float
+    vocab_verified: str
     settings: dict[str, Any] = field(default_factory=dict)
-    vocab_verified: bool | None = None  # None: the preset does not say
-    vocab_check: str = ""
-    two_gpus: dict[str, Any] = field(default_factory=dict)
+    context_length_two_cards: int | None = None
+    vram_gib_two_cards: float | None = None
 
     def manifest_settings(self) -> dict[str, Any]:
         """What `convert --preset` writes into the manifest's [settings] (bench/chat read these)."""
@@ -81,18 +76,18 @@ class Preset:
 
 
 def _check_keys(doc: dict, schema: dict, where: str, optional: dict | None = None) -> None:
-    known = {**schema, **(optional or {})}
+    allowed = {**schema, **(optional or {})}
     for key in doc:
-        if key not in known:
-            raise ManifestError(f"unknown key in preset ({where}: {key}); the keys are {', '.join(known)}")
-    for key, (types, what) in known.items():
+        if key not in allowed:
+            raise ManifestError(f"unknown key in preset ({where}: {key}); the keys are {', '.join(allowed)}")
+    for key, (types, what) in allowed.items():
         if key not in doc:
             if key in schema:
                 raise ManifestError(f"missing key in preset ({where}: {key}); add it as {what}")
             continue
         v = doc[key]
         # TOML booleans are Python ints; a boolean is never a valid count or size here.
-        if (isinstance(v, bool) and bool not in types) or not isinstance(v, types):
+        if isinstance(v, bool) or not isinstance(v, types):
             raise ManifestError(f"wrong type in preset ({where}: {key} = {v!r}); it must be {what}")
 
 
@@ -100,14 +95,6 @@ def parse_preset(doc: dict, where: str) -> Preset:
     """Validate one parsed preset file; `where` names it in error messages."""
     _check_keys(doc, TOP_KEYS, where, OPTIONAL_KEYS)
     _check_keys(doc["settings"], SETTINGS_KEYS, f"{where} [settings]")
-    two = doc.get("two_gpus")
-    if two is not None:
-        _check_keys(two, TWO_GPU_KEYS, f"{where} [two_gpus]")
-        if two["target_quant"] not in QUANT_TYPES or two["context_length"] < 256 or two["vram_gib"] <= 0:
-            raise ManifestError(f"preset [two_gpus] value out of range ({where}); need a known target_quant, "
-                                "context_length >= 256 and vram_gib > 0")
-    if ("vocab_verified" in doc) != ("vocab_check" in doc):
-        raise ManifestError(f"preset vocab_verified and vocab_check go together ({where}); give both or neither")
     if not _NAME.match(doc["name"]):
         raise ManifestError(f"preset name must be lower-case letters, digits, '.', '-' ({where}: {doc['name']!r})")
     for key in ("target", "draft"):
@@ -119,8 +106,16 @@ def parse_preset(doc: dict, where: str) -> Preset:
     if doc["architecture"] not in SUPPORTED:
         raise ManifestError(f"architecture the converter does not support ({where}: {doc['architecture']}); "
                             f"specq converts {', '.join(SUPPORTED)}")
-    if "\n" in doc["note"]:
-        raise ManifestError(f"preset note must be one line ({where})")
+    for key in ("note", "vocab_verified"):
+        if "\n" in doc[key] or not doc[key].strip():
+            raise ManifestError(f"preset {key} must be one line, not empty ({where})")
+    two = [k for k in OPTIONAL_KEYS if k in doc]
+    if two and len(two) != len(OPTIONAL_KEYS):
+        raise ManifestError(f"preset gives {two[0]} without {', '.join(k for k in OPTIONAL_KEYS if k not in doc)} "
+                            f"({where}); give both or neither")
+    if two and (doc["context_length_two_cards"] < doc["context_length"] or doc["vram_gib_two_cards"] <= 0):
+        raise ManifestError(f"preset two-card values out of range ({where}); need context_length_two_cards >= "
+                            "context_length and vram_gib_two_cards > 0")
     s = doc["settings"]
     k = s["draft_max"]
     if isinstance(k, str) and k != "auto":
@@ -132,13 +127,11 @@ def parse_preset(doc: dict, where: str) -> Preset:
     for key in ("download_gib", "gguf_gib", "vram_gib"):
         if doc[key] <= 0:
             raise ManifestError(f"preset size must be positive ({where}: {key} = {doc[key]})")
-    values = {k: doc[k] for k in TOP_KEYS if k != "settings"}
-    for key in ("download_gib", "gguf_gib", "vram_gib"):
-        values[key] = float(values[key])
-    extra = {k: doc[k] for k in OPTIONAL_KEYS if k in doc}
-    if "two_gpus" in extra:
-        extra["two_gpus"] = {**extra["two_gpus"], "vram_gib": float(extra["two_gpus"]["vram_gib"])}
-    return Preset(**values, settings={**s, "p_min": float(s["p_min"])}, **extra)
+    values = {k: doc[k] for k in (*TOP_KEYS, *OPTIONAL_KEYS) if k != "settings" and k in doc}
+    for key in ("download_gib", "gguf_gib", "vram_gib", "vram_gib_two_cards"):
+        if key in values:
+            values[key] = float(values[key])
+    return Preset(**values, settings={**s, "p_min": float(s["p_min"])})
 
 
 def load_presets() -> dict[str, Preset]:
