@@ -60,7 +60,6 @@ class Qwen35Params:
     full_attention_interval: int
     n_rot: int
     sections: tuple[int, int, int, int]
-    sections_given: bool
     n_expert: int = 0  # qwen35moe: routed experts (0: dense FFN)
     n_expert_used: int = 0
     n_ff_exp: int = 0
@@ -103,8 +102,7 @@ def read_params(cfg: dict, head_dim: int, where: str, moe: bool = False) -> Qwen
         v_heads=int(cfg["linear_num_value_heads"]), k_dim=int(cfg["linear_key_head_dim"]),
         v_dim=int(cfg["linear_value_head_dim"]), layer_types=types,
         full_attention_interval=int(cfg.get("full_attention_interval") or 4), n_rot=int(head_dim * partial),
-        sections=tuple((list(sections) + [0, 0, 0, 0])[:4]) if sections else DEFAULT_SECTIONS,
-        sections_given=bool(sections))
+        sections=tuple((list(sections) + [0, 0, 0, 0])[:4]) if sections else DEFAULT_SECTIONS)
     if moe:
         p = replace(p, n_expert=int(cfg["num_experts"]), n_expert_used=int(cfg["num_experts_per_tok"]),
                     n_ff_exp=int(cfg["moe_intermediate_size"]),
@@ -146,8 +144,8 @@ _MTP = re.compile(r"^(?:model\.)?mtp\.(.+)$")
 _MTP_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
-def _gguf_name(hf: str, n_trunk: int, n_block: int, nmap: gguf.TensorNameMap) -> tuple[str | None, int | None]:
-    """(GGUF name or None when unknown, MTP index or None) for one checkpoint tensor name."""
+def _gguf_names(hf: str, n_trunk: int, n_block: int, nmap: gguf.TensorNameMap) -> tuple[list[str], int | None]:
+    """(GGUF names, empty when unknown; MTP index or None) for one checkpoint tensor name."""
     hf = hf.replace("model.language_model.", "model.", 1)
     m = _MTP.match(hf)
     mtp = None
@@ -160,23 +158,21 @@ def _gguf_name(hf: str, n_trunk: int, n_block: int, nmap: gguf.TensorNameMap) ->
         else:
             base, _, suffix = rest.rpartition(".")
             if base not in _NEXTN:
-                return None, None
-            mtp = 0
-            return f"{gguf.TENSOR_NAMES[_NEXTN[base]].format(bid=n_trunk)}.{suffix}", mtp
+                return [], None
+            return [f"{gguf.TENSOR_NAMES[_NEXTN[base]].format(bid=n_trunk)}.{suffix}"], 0
         if n_trunk + mtp >= n_block:
-            return None, mtp
+            return [], mtp
     if hf.endswith(".linear_attn.dt_bias"):
         hf = hf[: -len("dt_bias")] + "dt_proj.bias"
     if hf.endswith((".mlp.experts.down_proj", ".mlp.experts.gate_up_proj")):
         hf += ".weight"  # fused expert tensors come without the suffix
     if hf.endswith(".mlp.experts.gate_up_proj.weight"):
         # one [experts, 2 * n_ff, n_embd] tensor: gate rows first, then up (written as two tensors, as upstream)
-        name = nmap.get_name(hf.replace("gate_up_proj", "gate_proj"), try_suffixes=(".weight",))
-        return (name + _UP_TOO if name else None), mtp
-    return nmap.get_name(hf, try_suffixes=(".weight", ".bias")), mtp
-
-
-_UP_TOO = "|up"  # marks a fused gate_up tensor: it feeds ffn_gate_exps and ffn_up_exps
+        gate = nmap.get_name(hf.replace("gate_up_proj", "gate_proj"), try_suffixes=(".weight",))
+        up = nmap.get_name(hf.replace("gate_up_proj", "up_proj"), try_suffixes=(".weight",))
+        return ([gate, up] if gate and up else []), mtp
+    name = nmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+    return ([name] if name else []), mtp
 
 
 def map_tensors(spec, raw: dict[str, TensorRef], where: str, keep_mtp: bool):
@@ -203,16 +199,14 @@ def map_tensors(spec, raw: dict[str, TensorRef], where: str, keep_mtp: bool):
         if p.n_expert and re.search(r"\.mlp\.experts\.\d+\.", hf):
             raise ConversionError(f"checkpoint stores its experts one tensor each ({hf}, {where}); specq converts "
                                   "Qwen3.5-MoE checkpoints with fused expert tensors (as Qwen publishes them)")
-        name, mtp = _gguf_name(hf, p.n_trunk, n_block, nmap)
+        names, mtp = _gguf_names(hf, p.n_trunk, n_block, nmap)
         if mtp is not None and not keep_mtp:
             continue
-        if name is None:
+        if not names:
             raise ConversionError(f"tensor {hf} has no llama.cpp equivalent for {spec.hf_arch} ({where}); the "
                                   f"checkpoint is not a plain {spec.hf_arch}")
-        if name.endswith(_UP_TOO):
-            name = name[: -len(_UP_TOO)]
-            tensors[name.replace("ffn_gate_exps", "ffn_up_exps")] = ref
-        tensors[name] = ref
+        for name in names:  # a fused gate_up tensor feeds two
+            tensors[name] = ref
     check_shapes(spec, tensors, where)
     return spec, tensors
 
