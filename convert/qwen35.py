@@ -236,8 +236,9 @@ def expected(spec, n_vocab: int) -> dict[str, tuple[tuple[int, ...], bool]]:
                         b + "ffn_up_exps.weight": ((n, 2 * f, e), True),
                         b + "ffn_down_exps.weight": ((n, e, f), True)})
             if fs:
-                out.update({b + "ffn_gate_inp_shexp.weight": ((1, e), True), b + "ffn_gate_shexp.weight": ((fs, e), True),
-                            b + "ffn_up_shexp.weight": ((fs, e), True), b + "ffn_down_shexp.weight": ((e, fs), True)})
+                out.update({b + "ffn_gate_inp_shexp.weight": ((1, e), True),
+                            b + "ffn_gate_shexp.weight": ((fs, e), True), b + "ffn_up_shexp.weight": ((fs, e), True),
+                            b + "ffn_down_shexp.weight": ((e, fs), True)})
         else:
             out.update({b + "ffn_gate.weight": ((ff, e), True), b + "ffn_up.weight": ((ff, e), True),
                         b + "ffn_down.weight": ((e, ff), True)})
@@ -267,8 +268,8 @@ def check_shapes(spec, tensors: dict[str, TensorRef], where: str) -> None:
     want = expected(spec, embd.shape[0])
     for name, ref in tensors.items():
         if name not in want:
-            raise ConversionError(f"checkpoint tensor {ref.name} ({name}) is not part of llama.cpp's qwen35 model "
-                                  f"with this config.json ({where}); the checkpoint does not match its config")
+            raise ConversionError(f"checkpoint tensor {ref.name} ({name}) is not part of llama.cpp's {spec.arch_name} "
+                                  f"model with this config.json ({where}); the checkpoint does not match its config")
         shape = want[name][0]
         if ref.shape != shape and not (name.endswith("ssm_conv1d.weight") and ref.shape == (shape[0], shape[2])):
             raise ConversionError(f"checkpoint tensor {ref.name} has shape {list(ref.shape)}, config.json implies "

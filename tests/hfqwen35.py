@@ -76,6 +76,9 @@ def make_weights(spec: Qwen35Spec, n_rows: int) -> dict[str, np.ndarray]:
     def mat(rows, cols, scale=None):
         return (rng.standard_normal((rows, cols)) * (scale or 1.0 / np.sqrt(cols))).astype(np.float32)
 
+    def normal(shape, scale):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
     def offset(n):  # (1 + w) norms: weights near zero
         return (0.2 * rng.standard_normal(n)).astype(np.float32)
 
@@ -84,10 +87,12 @@ def make_weights(spec: Qwen35Spec, n_rows: int) -> dict[str, np.ndarray]:
         if spec.n_expert:
             n, f, fs = spec.n_expert, spec.n_ff_exp, spec.n_ff_shexp
             w.update({p + "mlp.gate.weight": mat(n, d, 2.0 / np.sqrt(d)),
-                      p + "mlp.experts.gate_up_proj": (rng.standard_normal((n, 2 * f, d)) / np.sqrt(d)).astype(np.float32),
-                      p + "mlp.experts.down_proj": (rng.standard_normal((n, d, f)) / np.sqrt(f)).astype(np.float32),
-                      p + "mlp.shared_expert.gate_proj.weight": mat(fs, d), p + "mlp.shared_expert.up_proj.weight": mat(fs, d),
-                      p + "mlp.shared_expert.down_proj.weight": mat(d, fs), p + "mlp.shared_expert_gate.weight": mat(1, d)})
+                      p + "mlp.experts.gate_up_proj": normal((n, 2 * f, d), 1 / np.sqrt(d)),
+                      p + "mlp.experts.down_proj": normal((n, d, f), 1 / np.sqrt(f)),
+                      p + "mlp.shared_expert.gate_proj.weight": mat(fs, d),
+                      p + "mlp.shared_expert.up_proj.weight": mat(fs, d),
+                      p + "mlp.shared_expert.down_proj.weight": mat(d, fs),
+                      p + "mlp.shared_expert_gate.weight": mat(1, d)})
         else:
             w.update({p + "mlp.gate_proj.weight": mat(ff, d), p + "mlp.up_proj.weight": mat(ff, d),
                       p + "mlp.down_proj.weight": mat(d, ff)})
@@ -95,15 +100,17 @@ def make_weights(spec: Qwen35Spec, n_rows: int) -> dict[str, np.ndarray]:
             a = p + "linear_attn."
             w.update({a + "in_proj_qkv.weight": mat(2 * key + value, d), a + "in_proj_z.weight": mat(value, d),
                       a + "in_proj_b.weight": mat(spec.v_heads, d), a + "in_proj_a.weight": mat(spec.v_heads, d),
-                      a + "conv1d.weight": (0.5 * rng.standard_normal((2 * key + value, 1, spec.conv))).astype(np.float32),
+                      a + "conv1d.weight": normal((2 * key + value, 1, spec.conv), 0.5),
                       a + "dt_bias": (1.0 + 0.3 * rng.standard_normal(spec.v_heads)).astype(np.float32),
                       a + "A_log": np.log(rng.uniform(1, 16, spec.v_heads)).astype(np.float32),
                       a + "norm.weight": (1.0 + 0.2 * rng.standard_normal(spec.lin_dim)).astype(np.float32),
                       a + "out_proj.weight": mat(d, value)})
         else:
             a = p + "self_attn."
-            w.update({a + "q_proj.weight": mat(2 * spec.n_head * hd, d), a + "k_proj.weight": mat(spec.n_head_kv * hd, d),
-                      a + "v_proj.weight": mat(spec.n_head_kv * hd, d), a + "o_proj.weight": mat(d, spec.n_head * hd),
+            w.update({a + "q_proj.weight": mat(2 * spec.n_head * hd, d),  # per head: query, then output gate
+                      a + "k_proj.weight": mat(spec.n_head_kv * hd, d),
+                      a + "v_proj.weight": mat(spec.n_head_kv * hd, d),
+                      a + "o_proj.weight": mat(d, spec.n_head * hd),
                       a + "q_norm.weight": offset(hd), a + "k_norm.weight": offset(hd)})
         return w
 
@@ -274,7 +281,7 @@ def reference_logits(d: Path, spec: Qwen35Spec, tokens: list[int]) -> np.ndarray
         if spec.n_expert:
             x = x + _moe(w, p + "mlp.", h, spec)
         else:
-            x = x + _swiglu(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
+            x = x + _swiglu(h, *(w[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down")))
     x = _norm(x, spec.eps) * (1 + w[lm + "norm.weight"])
     head = w["lm_head.weight"] if "lm_head.weight" in w else w[lm + "embed_tokens.weight"]
     return x @ head.T
