@@ -330,3 +330,32 @@ def test_moe_per_expert_tensors_are_refused(tmp_path):
     write_safetensors(src / "model.safetensors", w, "BF16")
     with pytest.raises(ConversionError, match="stores its experts one tensor each"):
         convert_pair(str(src), tmp_path / "out", quant=None)
+
+
+TOKENIZER_TEXTS = [
+    "Hello world! The fox's 3.14159 numbers: 2024-01-02, it's what they'll've done.",
+    "今天天气很好，我们去公园散步。你好，世界。",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n\treturn fib(n - 1)  # code\n\n",
+    "emoji 🙂🚀 👩‍💻 👍🏿 café naïve Äpfel",
+    "नमस्ते दुनिया, नमस्कार ภาษาไทย ภาษา",  # combining marks (\p{M}): where Qwen3.5's pre-tokenizer differs from Qwen2's
+    "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nhello<|im_end|>",
+]
+
+
+def test_tiny_tokenizer_ids_equal_hugging_face(tmp_path):
+    """A tiny vocabulary with Qwen3.5's pre-tokenizer (letters with marks, single digits, NFC): llama.cpp's
+    `qwen35` pre-tokenizer on the converted file gives the `tokenizers` package's ids (the slow test in
+    test_convert_qwen35_vocab.py does the same with the real 248k vocabulary)."""
+    from tokenizers import Tokenizer
+
+    from tinymodels import CORPUS
+
+    tok = make_tokenizer(600, CORPUS + TOKENIZER_TEXTS[4] * 3)  # merges across letters and their marks
+    src = write_checkpoint(tmp_path / "hf", Qwen35Spec(n_layer=4, mtp=False, seed=15), tokenizer=tok)
+    res = convert_pair(str(src), tmp_path / "out", quant=None)
+    assert gguf.GGUFReader(res.target_path).fields["tokenizer.ggml.pre"].contents() == "qwen35"
+    hf = Tokenizer.from_file(str(src / "tokenizer.json"))
+    with _ffi.Model(res.target_path, vocab_only=True) as m:
+        for text in TOKENIZER_TEXTS:
+            assert m.tokenize(text, add_special=False, parse_special=True) == \
+                hf.encode(text, add_special_tokens=False).ids, text
