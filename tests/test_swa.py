@@ -1,0 +1,138 @@
+"""Sliding-window targets and drafts (llama.cpp arch gemma3): rejected drafts roll back exactly after the window
+has slid, and a rollback further back than the cache still holds evaluates again instead of going wrong.
+
+specq creates contexts with llama.cpp's small sliding-window cache (swa_full off): the local layers keep about
+window + n_ubatch positions and reuse the cells of positions that left the window. The fixtures here make that
+happen early: an 8-token window, n_ubatch 65 on the target (its floor) and 16 on the draft, so both caches hold
+256 cells, and prompts of ~300 tokens in a 512-token context.
+"""
+
+from __future__ import annotations
+
+import llama_cpp.llama_cpp as C
+import numpy as np
+import pytest
+
+from specq.native import _ffi
+from specq.native.engine import Engine, GenerationSettings
+from stats import chi2_pvalue
+from test_exactness import assert_consistent, target_law
+from tinymodels import CORPUS, TinyGemma3Spec, write_tiny_gemma3
+
+CTX = 512
+SWA_CELLS = 256  # llama.cpp: pad(min(n_ctx, n_swa + n_ubatch), 256) cells for the local layers
+
+
+@pytest.fixture(scope="module")
+def gemma3_pair(models_dir):
+    t = write_tiny_gemma3(models_dir / "gemma3.gguf", seed=51)
+    d = write_tiny_gemma3(models_dir / "gemma3_close.gguf", seed=52, noise_from=(51, 0.05))
+    return t, d
+
+
+def engine(target, draft) -> Engine:
+    return Engine(target, draft, ctx=CTX, threads=1, n_batch=16)
+
+
+def long_prompt(e: Engine, n: int = 300) -> list[int]:
+    """n tokens of text: longer than the window and than what the local layers' cache holds."""
+    toks = e.tokenize(CORPUS * 4)
+    assert len(toks) >= n
+    return toks[:n]
+
+
+def fresh_logits(path, tokens: list[int]) -> np.ndarray:
+    """Next-token logits of `tokens` evaluated once from an empty cache (nothing rolled back)."""
+    with _ffi.Model(path) as m, _ffi.Context(m, CTX, 1) as c:
+        c.decode(tokens, 0, logits="last")
+        return np.array(c.logits(1)[0])
+
+
+def assert_memory_is_exact(cache, path):
+    """The cache's next-token logits equal a fresh evaluation of its tokens: the witness on the draft side, where a
+    stale cache would lower acceptance without changing the output. Tolerance: one batch against token-by-token
+    decodes differ by up to 0.004 here after ~340 tokens; a local layer missing its window's keys by ~0.1."""
+    toks = list(cache.tokens)
+    cache.extend([7], logits="last")
+    np.testing.assert_allclose(np.array(cache.ctx.logits(1)[0]), fresh_logits(path, toks + [7]), atol=2e-2)
+
+
+def test_the_fixture_has_local_and_global_layers_and_its_cache_slides(gemma3_pair):
+    with _ffi.Model(gemma3_pair[0]) as m:
+        assert m.meta("general.architecture") == "gemma3" and not m.is_recurrent_or_hybrid
+        assert C.llama_model_n_swa(m.handle) == TinyGemma3Spec().sliding_window == 8
+        assert m.n_layer == 6  # llama.cpp's gemma3 pattern: layers 0-4 local, layer 5 global
+        toks = m.tokenize(CORPUS * 4, add_special=False)[:300]
+        for swa_full, slid in ((False, True), (True, False)):
+            with _ffi.Context(m, CTX, 1, n_batch=65, swa_full=swa_full) as c:
+                c.decode(toks, 0, logits="last")
+                # the small cache reused the cells of the oldest positions; the full-size one keeps them all
+                assert (c.pos_min() > 0) == slid and c.pos_max() == 299
+                assert c.n_swa == (0 if swa_full else 8)
+                if slid:
+                    assert c.pos_min() == 300 - SWA_CELLS
+                    assert c.window_intact(299) and not c.window_intact(c.pos_min() + 7)
+
+
+def test_greedy_identity_with_rollbacks_after_the_window_slid(gemma3_pair):
+    target, draft = gemma3_pair
+    with engine(target, draft) as e:
+        toks = long_prompt(e)
+        base = e.session().generate(toks, GenerationSettings(n_predict=64), speculative=False).run()
+        ses = e.session()
+        g = ses.generate(toks, GenerationSettings(n_predict=64, draft_max=4)).run()
+        assert len(set(base.tokens)) > 10 and g.tokens == base.tokens
+        assert 0 < g.stats.n_accepted < g.stats.n_drafted  # some drafts rejected...
+        # ...and rolled back on both sides from caches that had already dropped their oldest positions
+        assert ses.tgt.n_rollbacks > 0 and ses.dft.n_rollbacks > 0 and g.stats.n_rollbacks > 0
+        assert ses.tgt.ctx.pos_min() > 0 and ses.dft.ctx.pos_min() > 0
+        assert g.stats.n_restores == 0  # every step's rollback stayed within what the caches hold
+        assert_consistent(ses)
+        assert_memory_is_exact(ses.tgt, target)
+        assert_memory_is_exact(ses.dft, draft)
+
+
+def test_sampling_law_with_rollbacks_after_the_window_slid(gemma3_pair):
+    # The joint law of three tokens, two drafted (a rejected first draft is rolled back on both sides). One
+    # session: each generation starts by cutting the history back to the prompt, outside the counted window.
+    target, draft = gemma3_pair
+    kw = dict(temp=1.0, top_k=4, top_p=1.0, min_p=0.0)
+    with engine(target, draft) as e:
+        toks = long_prompt(e)
+        law = {}
+        for k, p in target_law(target, toks, 3, top_k=4, ctx=CTX).items():
+            # generation stops at an end-of-generation token: its continuations are one outcome
+            k = next((k[:i + 1] for i, t in enumerate(k) if e.target.is_eog(t)), k)
+            law[k] = law.get(k, 0.0) + p
+        ses, counts, rolled = e.session(), {}, [0, 0]
+        ses.generate(toks[:-1], GenerationSettings(n_predict=1), speculative=False).run()
+        for seed in range(2500):
+            ses.rollback(len(toks) - 1)
+            before = ses.tgt.n_rollbacks, ses.dft.n_rollbacks
+            g = ses.generate(toks[-1:], GenerationSettings(seed=seed, n_predict=3, draft_max=2, **kw)).run()
+            rolled = [rolled[0] + ses.tgt.n_rollbacks - before[0], rolled[1] + ses.dft.n_rollbacks - before[1]]
+            counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
+        assert ses.tgt.ctx.pos_min() > 0 and ses.dft.ctx.pos_min() > 0
+        assert rolled[0] > 200 and rolled[1] > 200, rolled  # rejected drafts dropped from slid windows, both sides
+        assert ses.tgt.n_restores == ses.dft.n_restores == 0
+    assert len(law) > 40
+    assert chi2_pvalue(counts, law) > 0.001
+
+
+def test_a_rollback_past_what_the_cache_holds_evaluates_again(gemma3_pair):
+    # A new prompt that shares only the start of the cached one (a server's next request after the same system
+    # prompt): the local layers no longer hold the positions that the first new token attends to, and llama.cpp's
+    # seq_rm reports success anyway. Both caches must be rebuilt, and the answer must be the fresh one's.
+    target, draft = gemma3_pair
+    with engine(target, draft) as e:
+        toks = long_prompt(e)
+        ses = e.session()
+        ses.generate(toks, GenerationSettings(n_predict=40, draft_max=4)).run()
+        assert ses.tgt.ctx.pos_min() > 60 and ses.dft.ctx.pos_min() > 60
+        del ses.history[60:]
+        kept, again = list(ses.history), e.tokenize(" again")
+        g = ses.generate(again, GenerationSettings(n_predict=24, draft_max=4)).run()
+        ref = e.session().generate(kept + again, GenerationSettings(n_predict=24), speculative=False).run()
+        assert g.tokens == ref.tokens and g.stats.n_drafted > 0
+        assert ses.tgt.n_restores > 0 and ses.dft.n_restores > 0
+        assert_consistent(ses)
