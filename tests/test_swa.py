@@ -136,3 +136,52 @@ def test_a_rollback_past_what_the_cache_holds_evaluates_again(gemma3_pair):
         assert g.tokens == ref.tokens and g.stats.n_drafted > 0
         assert ses.tgt.n_restores > 0 and ses.dft.n_restores > 0
         assert_consistent(ses)
+
+
+# ---- the planner counts what the small sliding-window cache holds -----------------------------------------------
+def write_gemma3_header(path, *, n_layer: int, n_embd: int, n_head_kv: int, head_dim: int, window: int):
+    """Header + tensor infos of a Gemma-3-shaped GGUF (one tensor per block is enough for the KV count); the data
+    is a sparse hole."""
+    import os
+
+    import gguf
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(131072)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(4 * n_embd)
+    w.add_head_count(2 * n_head_kv)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(window)  # no pattern key: llama.cpp's gemma3 default, every 6th layer global
+    w.add_vocab_size(1024)
+    f32 = np.dtype(np.float32)
+    w.add_tensor_info("token_embd.weight", (1024, n_embd), f32, 4 * 1024 * n_embd)
+    for i in range(n_layer):
+        w.add_tensor_info(f"blk.{i}.attn_k.weight", (n_head_kv * head_dim, n_embd), f32, 4 * n_head_kv * head_dim * n_embd)
+    w.add_tensor_info("output_norm.weight", (n_embd,), f32, 4 * n_embd)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    total = sum(gguf.GGUFWriter.ggml_pad(ti.nbytes, w.data_alignment) for t in w.tensors for ti in t.values())
+    with open(path, "r+b") as f:
+        f.truncate(gguf.GGUFWriter.ggml_pad(os.path.getsize(path), w.data_alignment) + total)
+    return path
+
+
+def test_the_planner_counts_local_layers_at_window_plus_ubatch(tmp_path):
+    from specq.native import plan as P
+    # Gemma-3-27B's attention shape: 62 layers (10 global), 16 KV heads of 128, a 1024-token window
+    path = write_gemma3_header(tmp_path / "g27.gguf", n_layer=62, n_embd=5376, n_head_kv=16, head_dim=128,
+                               window=1024)
+    shape = P.model_shape(str(path))
+    assert shape.swa_window == 1024 and sum(not s for s in shape.swa_layers) == 10
+    per_token = 2 * 16 * 128 * 2  # K and V, f16
+    p = P.plan(str(path), None, [P.Device("GPU0", 200 << 30)], ctx=32768)
+    # global layers at the full context, local ones at pad256(1024 + 512) = 1536 positions
+    assert p.to_dict()["target"]["kv_bytes"] == per_token * (10 * 32768 + 52 * 1536)
+    small = P.plan(str(path), None, [P.Device("GPU0", 200 << 30)], ctx=1024)
+    assert small.to_dict()["target"]["kv_bytes"] == per_token * 62 * 1024  # the window never exceeds n_ctx
