@@ -185,3 +185,24 @@ def test_the_planner_counts_local_layers_at_window_plus_ubatch(tmp_path):
     assert p.to_dict()["target"]["kv_bytes"] == per_token * (10 * 32768 + 52 * 1536)
     small = P.plan(str(path), None, [P.Device("GPU0", 200 << 30)], ctx=1024)
     assert small.to_dict()["target"]["kv_bytes"] == per_token * 62 * 1024  # the window never exceeds n_ctx
+
+
+def test_the_planner_counts_a_hybrid_targets_recurrent_state_and_its_rollback_snapshots(models_dir):
+    # The benchmark's "m" qwen35 shape: llama.cpp logs 1.64 MiB of recurrent memory with n_rs_seq 0 and 27.89 MiB
+    # with 16 (benchmarks.md); the planner must count 17 copies on the target, one on a draft, and no KV cache on
+    # the linear-attention layers.
+    from specq.native import plan as P
+    from tinymodels import TinyQwen35Spec, write_tiny_qwen35
+    spec = TinyQwen35Spec(n_layer=16, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, head_dim=64, n_rot=16,
+                          rope_sections=(4, 2, 2, 0), linear_k_heads=4, linear_v_heads=8, linear_head_dim=64)
+    path = str(write_tiny_qwen35(models_dir / "plan_qwen35.gguf", seed=3, spec=spec))
+    kd, vd = 4 * 64, 8 * 64
+    one_layer = 4 * (8 * 64 * 64 + 3 * (2 * kd + vd))  # F32 state + conv window
+    kv_token = 2 * 2 * 64 * 2  # K and V of 2 heads of 64, f16
+    dev = [P.Device("GPU0", 64 << 30)]
+    as_target = P.plan(path, None, dev, ctx=1024).to_dict()["target"]
+    assert as_target["kv_bytes"] == 4 * kv_token * 1024 + 12 * one_layer * 17
+    assert as_target["recurrent_bytes"] == 12 * one_layer * 17
+    assert abs(12 * one_layer * 17 / 2**20 - 27.89) < 0.01 and abs(12 * one_layer / 2**20 - 1.64) < 0.01
+    as_draft = P.plan(path, path, dev, ctx=1024).to_dict()["draft"]
+    assert as_draft["kv_bytes"] == 4 * kv_token * 1024 + 12 * one_layer
