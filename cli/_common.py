@@ -101,7 +101,10 @@ AcceptOpt = Annotated[str, typer.Option("--accept", help="Verification at temp >
                                                          "(= rejection). Temp 0 is greedy either way.")]
 CtxOpt = Annotated[int, typer.Option("--ctx", help="Context size (tokens) for both models.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: physical cores).")]
-CtxDraftOpt = Annotated[Optional[int], typer.Option("--ctx-draft", help="The draft's context size (default: --ctx).")]
+CtxDraftOpt = Annotated[Optional[int], typer.Option("--ctx-draft", help="The draft's context size (default: --ctx); "
+                                                                     "smaller than --ctx, the draft sees only that "
+                                                                     "many recent tokens, which keeps it cheap at "
+                                                                     "long context.")]
 ThreadsDraftOpt = Annotated[Optional[int], typer.Option("--threads-draft", help="The draft's CPU threads "
                                                                               "(default: --threads).")]
 NglOpt = Annotated[Optional[int], typer.Option("--ngl", help="Target layers on the GPU (default: all when a GPU "
@@ -117,6 +120,9 @@ DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="ggml devices
                                                                    "(see `specq doctor`).")]
 CpuAmxOpt = Annotated[bool, typer.Option("--cpu-amx", help="Let llama.cpp use its AMX weight buffer on Intel CPUs "
                                                           "with AMX (off by default: it crashes, llama.cpp#20824).")]
+FlashAttnOpt = Annotated[str, typer.Option("--flash-attn", help="Attention path: on, off or auto (off for a model "
+                                                               "on the CPU, where it decodes faster at long "
+                                                               "context; llama.cpp's choice on a GPU).")]
 DrafterOpt = Annotated[str, typer.Option("--drafter", help="Who proposes tokens: model (the draft model), ngram "
                                                           "(lookup in the text so far, no model) or model,ngram "
                                                           "(the n-gram's proposal where the text repeats, else the "

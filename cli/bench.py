@@ -21,7 +21,7 @@ from ..native.bench_plot import check_plot_available, plot_sweep
 from ..native.engine import GenerationSettings
 from ..native.placement import resolve_placement
 from .checks import check_output_path, pair_warning
-from ._common import (AcceptOpt, CpuAmxOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
+from ._common import (AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
                       draft_for_drafters, DraftMinOpt, DraftOpt, err, handle_errors, MainGpuOpt, MinPOpt,
                       models_or_demo, NglDraftOpt, NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, parse_draft_max, PMinOpt,
                       Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
@@ -246,6 +246,7 @@ def main(
     device: DeviceOpt = None,
     draft_device: DraftDeviceOpt = None,
     cpu_amx: CpuAmxOpt = False,
+    flash_attn: FlashAttnOpt = "auto",
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt as a user turn in the target's chat "
                                                       "template (default: raw text, as llama.cpp's -p).")] = False,
     repeat: Annotated[int, typer.Option(help="Repeats per prompt (medians are reported).")] = 1,
@@ -294,7 +295,8 @@ def main(
     draft = draft_for_drafters(settings, draft)
     placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
-                                  device=device, draft_device=draft_device, cpu_amx=cpu_amx)
+                                  device=device, draft_device=draft_device, cpu_amx=cpu_amx,
+                                  flash_attn=flash_attn)
     cfg = BenchConfig(target=str(target), draft=str(draft) if draft else None, prompts=prompts, settings=settings,
                       ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft, repeat=repeat,
                       baseline=not no_baseline, chat=chat,
@@ -304,7 +306,8 @@ def main(
                                       "vram_budget": vram_budget, "main_gpu": main_gpu, "ctx_draft": ctx_draft,
                                       "threads_draft": threads_draft,
                                       "tensor_split": tensor_split, "device": device, "draft_device": draft_device,
-                                      "cpu_amx": cpu_amx,
+                                      "cpu_amx": cpu_amx, "flash_attn": placement.flash_attn,
+                                      "draft_flash_attn": placement.draft_flash_attn,
                                       "prompt_set": prompt_set, "sweep_draft_max": ks if sweep_draft_max else None,
                                       "sweep_p_min": pmins if sweep_p_min else None},
                       sweep=sweep, prompt_names=names)

@@ -19,7 +19,7 @@ from ..errors import ContextFullError, UsageError
 from ..native.chat import HELP, AnswerProgress, ChatSession, Command, ConversationFullError, apply_setting, \
     open_chat, panel_data, parse_command
 from ..native.placement import resolve_placement
-from ._common import (AcceptOpt, CpuAmxOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
+from ._common import (AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
                       draft_for_drafters, DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
                       NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, SeedOpt,
                       settings_from_flags, setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt,
@@ -265,6 +265,7 @@ def main(
     device: DeviceOpt = None,
     draft_device: DraftDeviceOpt = None,
     cpu_amx: CpuAmxOpt = False,
+    flash_attn: FlashAttnOpt = "auto",
     no_color: Annotated[bool, typer.Option("--no-color", help="No colours (draft and target tokens look alike).")] = False,
     verbose: Verbose = False,
     quiet: Quiet = False,
@@ -282,7 +283,8 @@ def main(
     warn(pair_warning(target, draft), quiet)
     placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
-                                  device=device, draft_device=draft_device, cpu_amx=cpu_amx)
+                                  device=device, draft_device=draft_device, cpu_amx=cpu_amx,
+                                  flash_attn=flash_attn)
     chat = open_chat(str(target), str(draft) if draft else None, template=template, settings=settings,
                      system=system, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
                      draft_ctx=ctx_draft, draft_threads=threads_draft, **placement.engine_options())

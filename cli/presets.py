@@ -24,8 +24,12 @@ def presets_table(presets) -> Table:
         t.add_column(col, justify="right", no_wrap=True)
     for p in presets:
         s = p.settings
-        t.add_row(p.name, f"{p.target}\n{p.draft}", f"{p.target_quant}\n{p.draft_quant}", str(p.context_length),
-                  str(s["draft_max"]), f"{s['p_min']:g}", f"≈{p.download_gib:.0f} GiB", f"≈{p.vram_gib:.1f} GiB")
+        ctx, vram = str(p.context_length), f"≈{p.vram_gib:.1f} GiB"
+        if p.context_length_two_cards is not None:  # second line: on two 24 GiB cards
+            ctx += f"\n{p.context_length_two_cards} (2 cards)"
+            vram += f"\n≈{p.vram_gib_two_cards:.1f} GiB"
+        t.add_row(p.name, f"{p.target}\n{p.draft}", f"{p.target_quant}\n{p.draft_quant}", ctx,
+                  str(s["draft_max"]), f"{s['p_min']:g}", f"≈{p.download_gib:.0f} GiB", vram)
     return t
 
 
@@ -43,5 +47,5 @@ def main(
     out.print(presets_table(presets))
     if not quiet:
         for p in presets:
-            out.print(Text.assemble((p.name, "bold"), f": {p.note}"))
+            out.print(Text.assemble((p.name, "bold"), f": {p.note}; vocabularies verified: {p.vocab_verified}"))
         out.print("convert one with: specq convert --preset NAME --out DIR")

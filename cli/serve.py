@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import UsageError
-from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
+from ._common import (AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
                       draft_for_drafters, DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
                       NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, settings_from_flags,
                       setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt,
@@ -92,6 +92,7 @@ def main(
     device: DeviceOpt = None,
     draft_device: DraftDeviceOpt = None,
     cpu_amx: CpuAmxOpt = False,
+    flash_attn: FlashAttnOpt = "auto",
     verbose: Verbose = False,
     quiet: Quiet = False,
 ) -> None:
@@ -118,7 +119,7 @@ def main(
         placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl,
                                       ngl_draft=ngl_draft, vram_budget=vram_budget, main_gpu=main_gpu,
                                       tensor_split=tensor_split, device=device, draft_device=draft_device,
-                                      cpu_amx=cpu_amx)
+                                      cpu_amx=cpu_amx, flash_attn=flash_attn)
         server = open_server(str(target), str(draft) if draft else None, template=template, defaults=defaults,
                              cfg=cfg, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
                              draft_ctx=ctx_draft, draft_threads=threads_draft, **placement.engine_options())

@@ -14,7 +14,7 @@ from ..errors import UsageError
 from ..native.engine import DRAFT_MAX_CAP, Engine
 from ..native.tune import DEFAULT_PROMPTS, TuneResult, calibrate, write_tuned
 from ..native.placement import resolve_placement
-from ._common import (CpuAmxOpt, DeviceOpt, DraftDeviceOpt, DraftOpt, err, handle_errors, MainGpuOpt, models_or_demo,
+from ._common import (CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DraftOpt, err, handle_errors, MainGpuOpt, models_or_demo,
                       NglDraftOpt, NglOpt, out, PairOpt, Quiet, resolve_pair, setup_logging, TargetOpt, TensorSplitOpt, ThreadsOpt,
                       Verbose, VramBudgetOpt, warn)
 from .checks import check_finite, check_output_path, pair_warning
@@ -62,6 +62,7 @@ def main(
     device: DeviceOpt = None,
     draft_device: DraftDeviceOpt = None,
     cpu_amx: CpuAmxOpt = False,
+    flash_attn: FlashAttnOpt = "auto",
     write: Annotated[bool, typer.Option("--write", help="Store the result as [tuned] in the pair manifest.")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the result as JSON to PATH, or - for stdout.")] = None,
     verbose: Verbose = False,
@@ -85,7 +86,8 @@ def main(
         raise UsageError("tune needs a draft model; pass --draft (or a --pair with a draft)")
     placement = resolve_placement(str(target), str(draft), ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
-                                  device=device, draft_device=draft_device, cpu_amx=cpu_amx)
+                                  device=device, draft_device=draft_device, cpu_amx=cpu_amx,
+                                  flash_attn=flash_attn)
     with Engine(target, draft, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
                 **placement.engine_options()) as eng:
         result = calibrate(eng, DEFAULT_PROMPTS, n_predict=n_predict, draft_max=draft_max, temp=temp)

@@ -40,12 +40,14 @@ def check_same_vocabulary(target: Vocab, draft: Vocab) -> None:
             f"draft tokenizer type differs: target {target.model}, draft {draft.model} ({draft.source}); "
             "choose a draft of the same model family")
     diff = first_difference(target, draft)
+    if diff is not None and _target_only_added_tokens(target, draft, diff[0]):
+        diff = None
     if diff is not None:
         i, a, b = diff
         raise IncompatibleDraftError(
             f"draft vocabulary differs from the target's at token {i}: target {a!r}, draft {b!r} "
             f"({target.source} vs {draft.source}); choose a draft of the same model family")
-    n = target.n_real  # equal to the draft's once the tokens match
+    n = min(target.n_real, draft.n_real)
     if target.scores is not None and draft.scores is not None and target.scores[:n] != draft.scores[:n]:
         i = next(i for i in range(n) if target.scores[i] != draft.scores[i])
         raise IncompatibleDraftError(
@@ -55,6 +57,15 @@ def check_same_vocabulary(target: Vocab, draft: Vocab) -> None:
         raise IncompatibleDraftError(
             f"draft pre-tokenizer differs: target {target.pre}, draft {draft.pre} ({draft.source}); "
             "choose a draft of the same model family")
+
+
+def _target_only_added_tokens(target: Vocab, draft: Vocab, first: int) -> bool:
+    """The vocabularies agree up to the draft's end and the target only adds tokens after it, all added (control or
+    user-defined) ones: Gemma-3-27B's <image_soft_token> at 262144, where the 1B/270M drafts end. The draft gets
+    the target's texts there and padding rows, which never win its argmax."""
+    added = (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED)
+    return first == draft.n_real < target.n_real and all(target.types[i] in added
+                                                         for i in range(draft.n_real, target.n_real))
 
 
 def plan_rows(draft: ArchSpec, n_rows_in: int, n_rows_out: int) -> RowPlan:

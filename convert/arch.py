@@ -6,19 +6,21 @@ Names and keys come from gguf's own tables (MODEL_ARCH, TensorNameMap, the GGUFW
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gguf
 import numpy as np
 
 from ..errors import ConversionError
+from . import gemma3
 from .source import read_json
 
 SUPPORTED = {
     "LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA,
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
+    **{name: gemma3.GEMMA3 for name in gemma3.HF_ARCHS},
 }
 # HF tensors that carry no weights llama.cpp needs.
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -44,6 +46,7 @@ class ArchSpec:
     torch_dtype: str | None
     rope_scaling: dict = field(default_factory=dict)
     explicit_head_dim: bool = False
+    gemma: gemma3.Gemma3Params | None = None  # gemma3 only
 
     @property
     def arch_name(self) -> str:
@@ -66,6 +69,8 @@ def read_config(path: Path, where: str) -> ArchSpec:
         # We never import model code; a custom architecture would silently convert wrong.
         raise ConversionError(f"checkpoint declares custom model code (auto_map in {where}); specq never runs "
                               "remote code and converts only the standard architectures")
+    if SUPPORTED[hf_arch] == gemma3.GEMMA3:
+        cfg = gemma3.text_config(cfg)
     try:
         n_embd = int(cfg["hidden_size"])
         n_head = int(cfg["num_attention_heads"])
@@ -95,6 +100,12 @@ def read_config(path: Path, where: str) -> ArchSpec:
     if spec.n_head % spec.n_head_kv:
         raise ConversionError(f"num_attention_heads {spec.n_head} is not a multiple of num_key_value_heads "
                               f"{spec.n_head_kv} ({where}); the config is inconsistent")
+    if spec.arch == gemma3.GEMMA3:
+        try:
+            p = gemma3.read_params(cfg, where)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConversionError(f"config.json mangles a Gemma 3 field ({where}: {e}); the checkpoint is incomplete")
+        spec = replace(spec, rope_theta=p.rope_theta, rope_scaling={}, gemma=p)  # scaling: global layers only
     return spec
 
 
@@ -126,6 +137,8 @@ def write_hparams(w: gguf.GGUFWriter, s: ArchSpec) -> None:
     elif rope_type not in ("", "default", "llama3"):
         raise ConversionError(f"unsupported RoPE scaling {rope_type!r} in {s.hf_arch}; specq handles linear, "
                               "yarn and llama3")
+    if s.gemma is not None:
+        gemma3.write_hparams(w, s.gemma)
 
 
 def rope_freqs(s: ArchSpec) -> np.ndarray | None:
@@ -163,6 +176,10 @@ class NameMap:
         """The GGUF name, None for tensors llama.cpp does not use; ConversionError for unknown ones."""
         if hf_name.endswith(SKIPPED_SUFFIXES):
             return None
+        if self.spec.gemma is not None:
+            hf_name = gemma3.text_name(hf_name)  # multimodal checkpoints: the language model's part
+            if hf_name is None:
+                return None
         name = self._map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ConversionError(f"tensor {hf_name} has no llama.cpp equivalent for {self.spec.hf_arch}; "

@@ -34,7 +34,13 @@ TOP_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "download_gib": (_NUMBER, "a number"),
     "gguf_gib": (_NUMBER, "a number"),
     "vram_gib": (_NUMBER, "a number"),
+    "vocab_verified": ((str,), "what verified the two vocabularies compatible, or \"no\""),
     "settings": ((dict,), "a table"),
+}
+# Optional: the pair on two 24 GiB cards (a longer context; VRAM summed over both cards).
+OPTIONAL_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
+    "context_length_two_cards": ((int,), "an integer"),
+    "vram_gib_two_cards": (_NUMBER, "a number"),
 }
 SETTINGS_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "draft_max": ((int, str), "an integer or \"auto\""),
@@ -56,7 +62,10 @@ class Preset:
     download_gib: float
     gguf_gib: float
     vram_gib: float
+    vocab_verified: str
     settings: dict[str, Any] = field(default_factory=dict)
+    context_length_two_cards: int | None = None
+    vram_gib_two_cards: float | None = None
 
     def manifest_settings(self) -> dict[str, Any]:
         """What `convert --preset` writes into the manifest's [settings] (bench/chat read these)."""
@@ -66,13 +75,16 @@ class Preset:
         return asdict(self)
 
 
-def _check_keys(doc: dict, schema: dict, where: str) -> None:
+def _check_keys(doc: dict, schema: dict, where: str, optional: dict | None = None) -> None:
+    allowed = {**schema, **(optional or {})}
     for key in doc:
-        if key not in schema:
-            raise ManifestError(f"unknown key in preset ({where}: {key}); the keys are {', '.join(schema)}")
-    for key, (types, what) in schema.items():
+        if key not in allowed:
+            raise ManifestError(f"unknown key in preset ({where}: {key}); the keys are {', '.join(allowed)}")
+    for key, (types, what) in allowed.items():
         if key not in doc:
-            raise ManifestError(f"missing key in preset ({where}: {key}); add it as {what}")
+            if key in schema:
+                raise ManifestError(f"missing key in preset ({where}: {key}); add it as {what}")
+            continue
         v = doc[key]
         # TOML booleans are Python ints; a boolean is never a valid count or size here.
         if isinstance(v, bool) or not isinstance(v, types):
@@ -81,7 +93,7 @@ def _check_keys(doc: dict, schema: dict, where: str) -> None:
 
 def parse_preset(doc: dict, where: str) -> Preset:
     """Validate one parsed preset file; `where` names it in error messages."""
-    _check_keys(doc, TOP_KEYS, where)
+    _check_keys(doc, TOP_KEYS, where, OPTIONAL_KEYS)
     _check_keys(doc["settings"], SETTINGS_KEYS, f"{where} [settings]")
     if not _NAME.match(doc["name"]):
         raise ManifestError(f"preset name must be lower-case letters, digits, '.', '-' ({where}: {doc['name']!r})")
@@ -94,8 +106,16 @@ def parse_preset(doc: dict, where: str) -> Preset:
     if doc["architecture"] not in SUPPORTED:
         raise ManifestError(f"architecture the converter does not support ({where}: {doc['architecture']}); "
                             f"specq converts {', '.join(SUPPORTED)}")
-    if "\n" in doc["note"]:
-        raise ManifestError(f"preset note must be one line ({where})")
+    for key in ("note", "vocab_verified"):
+        if "\n" in doc[key] or not doc[key].strip():
+            raise ManifestError(f"preset {key} must be one line, not empty ({where})")
+    two = [k for k in OPTIONAL_KEYS if k in doc]
+    if two and len(two) != len(OPTIONAL_KEYS):
+        raise ManifestError(f"preset gives {two[0]} without {', '.join(k for k in OPTIONAL_KEYS if k not in doc)} "
+                            f"({where}); give both or neither")
+    if two and (doc["context_length_two_cards"] < doc["context_length"] or doc["vram_gib_two_cards"] <= 0):
+        raise ManifestError(f"preset two-card values out of range ({where}); need context_length_two_cards >= "
+                            "context_length and vram_gib_two_cards > 0")
     s = doc["settings"]
     k = s["draft_max"]
     if isinstance(k, str) and k != "auto":
@@ -107,9 +127,10 @@ def parse_preset(doc: dict, where: str) -> Preset:
     for key in ("download_gib", "gguf_gib", "vram_gib"):
         if doc[key] <= 0:
             raise ManifestError(f"preset size must be positive ({where}: {key} = {doc[key]})")
-    values = {k: doc[k] for k in TOP_KEYS if k != "settings"}
-    for key in ("download_gib", "gguf_gib", "vram_gib"):
-        values[key] = float(values[key])
+    values = {k: doc[k] for k in (*TOP_KEYS, *OPTIONAL_KEYS) if k != "settings" and k in doc}
+    for key in ("download_gib", "gguf_gib", "vram_gib", "vram_gib_two_cards"):
+        if key in values:
+            values[key] = float(values[key])
     return Preset(**values, settings={**s, "p_min": float(s["p_min"])})
 
 

@@ -126,9 +126,10 @@ def read_model(path: Path, where: str) -> SpmModel:
 
 
 def _looks_special(text: str) -> bool:
-    # llama.cpp's does_token_look_special, for added tokens not flagged special
-    return (text in ("<pad>", "<mask>") or (text.startswith("<|") and text.endswith("|>"))
-            or (text.startswith("<｜") and text.endswith("｜>")))
+    # llama.cpp's does_token_look_special, for added tokens not flagged special (Gemma's <mask>, <unusedN>...)
+    return (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (text.startswith("<|") and text.endswith("|>"))
+            or (text.startswith("<｜") and text.endswith("｜>"))
+            or (text.startswith("<unused") and text.endswith(">")))
 
 
 def _read_optional_json(path: Path) -> dict:
@@ -161,12 +162,19 @@ def load_spm(path: Path, n_rows: int, where: str) -> SpmVocab:
     types = [int(gguf.TokenType.UNUSED)] * n_rows
     tokens[:len(m.pieces)], scores[:len(m.pieces)], types[:len(m.pieces)] = m.pieces, m.scores, m.types
     n_real = len(m.pieces)
+    left_out: set[int] = set()
 
     def add(i: int, text: str, kind: int) -> None:
         nonlocal n_real
-        if not 0 <= i < n_rows:
-            raise ConversionError(f"added token {text!r} has id {i}, beyond the {n_rows} embedding rows ({where}); "
-                                  "the tokenizer does not belong to this checkpoint")
+        if i < 0:
+            raise ConversionError(f"added token {text!r} has id {i} ({where}); the tokenizer files are corrupt")
+        if i >= n_rows:
+            # as llama.cpp's converter: Gemma-3-1B lists <image_soft_token> past its 262144 rows
+            if i not in left_out:
+                log.warning("added token %r has id %d, beyond the %d embedding rows (%s): left out", text, i, n_rows,
+                            where)
+            left_out.add(i)
+            return
         tokens[i], scores[i], types[i] = text, ADDED_SCORE, kind
         n_real = max(n_real, i + 1)
 

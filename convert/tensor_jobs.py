@@ -9,10 +9,10 @@ import gguf
 import numpy as np
 
 from ..errors import ConversionError
-from . import align
+from . import align, gemma3
 from ..native.gguf_check import architecture_tensors
 from .arch import ArchSpec, NameMap, read_config, rope_freqs
-from .checkpoint import DTYPES, TensorRef, read_checkpoint
+from .checkpoint import DTYPES, MappedFiles, TensorRef, read_checkpoint
 from .source import Source, weight_files
 from .vocab import Vocab, load_vocab
 from .writer import OUTTYPES, TensorJob, source_outtype, to_f32
@@ -132,6 +132,8 @@ def build_jobs(ck: Checkpoint, outtype: str, rows_out: int | None = None, n_real
     for name in sorted(ck.tensors, key=_order):
         ref = ck.tensors[name]
         job = TensorJob(name, f32 if len(ref.shape) <= 1 else out_t, ref.shape, ref)
+        if spec.gemma is not None and gemma3.is_norm(name):
+            job = TensorJob(name, f32, ref.shape, data=gemma3.norm_plus_one(_read_vector(ref)))
         if spec.permute_qk and (_Q.match(name) or _K.match(name)):
             job.row_block = spec.head_dim
             job.transform = lambda c, d=spec.head_dim: permute_rows(c, d)
@@ -155,6 +157,12 @@ def build_jobs(ck: Checkpoint, outtype: str, rows_out: int | None = None, n_real
     if freqs is not None:
         jobs.append(TensorJob(ROPE_FREQS, f32, freqs.shape, data=freqs))
     return jobs
+
+
+def _read_vector(ref: TensorRef) -> np.ndarray:
+    """A small 1-D tensor as float32 (norm weights; read while planning, a few KB each)."""
+    with MappedFiles() as maps:
+        return to_f32(next(maps.rows(ref)), ref.dtype)
 
 
 def _reshape_output(job: TensorJob, plan: align.RowPlan, n_real: int) -> None:

@@ -204,6 +204,24 @@ class Model(_Handle):
     def size_bytes(self) -> int:
         return int(C.llama_model_size(self.handle))
 
+    def attention_per_context_token(self) -> float:
+        """A decoded token's attention arithmetic per token of context, as a share of its weights' arithmetic:
+        4 · (attention layers) · n_head · head_dim against 2 · n_params (the cost model's prior for how much of
+        a step grows with the context). Hybrid models count their full-attention layers only; sliding-window
+        layers count as full ones (an overestimate past the window)."""
+        arch = self.meta("general.architecture") or ""
+        n_layer = self.n_layer
+        interval = self.meta(f"{arch}.full_attention_interval")
+        if interval and interval.isdigit() and int(interval) > 0:
+            n_layer = max(n_layer // int(interval), 1)
+        elif self.is_recurrent_or_hybrid:
+            n_layer = max(n_layer // 4, 1)
+        n_head = int(C.llama_model_n_head(self.handle))
+        key_length = self.meta(f"{arch}.attention.key_length")
+        head_dim = int(key_length) if key_length and key_length.isdigit() else \
+            int(C.llama_model_n_embd(self.handle)) // max(n_head, 1)
+        return 4.0 * n_layer * n_head * head_dim / max(2.0 * self.n_params, 1.0)
+
     @property
     def n_ctx_train(self) -> int:
         return int(C.llama_model_n_ctx_train(self.handle))
@@ -283,13 +301,19 @@ class Model(_Handle):
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
 
+FLASH_ATTN = {"auto": C.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": C.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+              "off": C.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+
+
 class Context(_Handle):
     """A llama.cpp context (the KV cache / recurrent state of one sequence) over a Model."""
 
     def __init__(self, model: Model, n_ctx: int, n_threads: int, n_batch: int = 512,
-                 n_outputs_max: int = 0, name: str = "model", n_rs_seq: int = 0, swa_full: bool = False):
+                 n_outputs_max: int = 0, name: str = "model", n_rs_seq: int = 0, flash_attn: str = "auto",
+                 swa_full: bool = False):
         """`n_rs_seq`: recurrent-state snapshots kept for rolling back the tail of the last decode without a
         checkpoint (llama.cpp's experimental n_rs_seq; 0 where the architecture does not support it).
+        `flash_attn`: "on", "off" or "auto" (llama.cpp's choice: on where the device supports it).
         `swa_full`: give sliding-window layers a full-size cache (llama.cpp's default) instead of one that keeps
         about window + n_ubatch positions; specq keeps the small one and checks each rollback (`window_intact`)."""
         self.model = model
@@ -304,6 +328,7 @@ class Context(_Handle):
         params.n_outputs_max = int(n_outputs_max)
         params.n_outputs_max_per_seq = 0  # only limits backend sampling, which specq does not use
         params.n_rs_seq = int(n_rs_seq)
+        params.flash_attn_type = FLASH_ATTN[flash_attn]
         params.swa_full = bool(swa_full)
         params.no_perf = True
         handle = C.llama_init_from_model(model.handle, params)
@@ -331,7 +356,7 @@ class Context(_Handle):
         self.last_decode_pos0 = 0  # first position of the last llama_decode: rollback snapshots cover only it
         # sliding-window layers that may have dropped old positions: the window (0: none, or a full-size cache)
         self.n_swa = 0 if swa_full else int(C.llama_model_n_swa(model.handle))
-        self.on_decode = None  # called as on_decode(name, n_tokens) after each llama_decode (simulated clocks)
+        self.on_decode = None  # called as on_decode(name, n_tokens, pos0) after each llama_decode (simulated clocks)
 
     @property
     def handle(self):
@@ -377,7 +402,7 @@ class Context(_Handle):
             self.decode_s += time.perf_counter() - t0
             self.n_decode_calls += 1
             if self.on_decode is not None:
-                self.on_decode(self.name, m)
+                self.on_decode(self.name, m, pos0 + start)
             if rc != 0:
                 if rc == 1:
                     raise ContextFullError(

@@ -9,11 +9,37 @@ kernels, so its cost says little about a batch's slope).
 Expected tokens of a step with k drafted = 1 + Σ_j Π_{i≤j} α_i (BRIEF.md's (1−α^(k+1))/(1−α) with one
 α per position); its time = t_first + (k−1)·t_draft + V(k+1) + overhead. k = 0 is plain decoding; while
 it wins, a short probe runs every `probe_interval` steps (doubling while probes keep failing) to come back.
+
+Costs depend on the context: at thousands of tokens attention dominates, a draft of the target's architecture
+costs nearly what the target does, and a batched verify grows with the batch (each row attends to the whole
+context). So the cost estimates are kept per context band (`ctx_band`: bands √2 apart), the caller says where
+the generation is (`at(n)`), and a band with no measurement yet is priced from a calibration at the start of
+the generation (`calibrate`: one target and one draft token timed at that context) and from the nearest band
+that has measurements, its batch verifies shifted by the extra attention of each row. Acceptance is shared.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+
+SHORT_CTX = 384  # contexts below this share one band: attention is a small part of a step there
+
+
+def ctx_band(n_ctx: int) -> int:
+    """The context band of a step at `n_ctx` tokens: 0 below SHORT_CTX, then one band per factor √2."""
+    return 0 if n_ctx < SHORT_CTX else 1 + int(2 * math.log2(n_ctx / SHORT_CTX))
+
+
+@dataclass
+class _Costs:
+    """Measured costs in one context band (running means, seconds)."""
+
+    t_draft: float | None = None  # per drafted token after the first
+    t_first: float | None = None  # to the first drafted token (catch-up included)
+    v_mean: dict[int, float] = field(default_factory=dict)  # verify batch size → running mean
+    line: tuple[float, float] | None = None  # (intercept, slope) of V(b) over the measured batches
+    ctx_one: float = 0.0  # the mean context of the single-token verifies measured
 
 
 @dataclass(frozen=True)
@@ -25,6 +51,8 @@ class AdaptiveSnapshot:
     first_draft_ms: float | None  # the first drafted token of a step, the draft's catch-up included
     verify_ms: dict[int, float]  # measured batch size → mean ms
     overhead_ms: float
+    n_ctx: int  # the context these costs are for
+    n_calibrations: int
     best_k: int
     n_plain_steps: int
     n_probes: int
@@ -52,8 +80,11 @@ def best_draft_length(alphas, t_draft: float, verify_s, overhead: float = 0.0,
 class AdaptiveDraft:
     def __init__(self, cap: int, cost_ratio_prior: float = 0.2, decay: float = 0.92, prior_weight: float = 4.0,
                  probe_min: int = 16, probe_max: int = 64, probe_k: int = 1, ema: float = 0.2,
-                 probe_budget: float = 0.02, alpha_prior: float = 0.75):
+                 probe_budget: float = 0.02, alpha_prior: float = 0.75, attention_prior: float = 0.0):
+        """`attention_prior`: the target's attention arithmetic per token of context as a share of its weights'
+        (_ffi.Model.attention_per_context_token): what a step's cost grows by with the context, until measured."""
         self.cap = cap
+        self.attention_prior = attention_prior
         self.decay = decay
         self.w = prior_weight
         # Before any step: a vocabulary-aligned draft usually agrees on most tokens, so start drafting a
@@ -62,9 +93,10 @@ class AdaptiveDraft:
         self.succ = [0.0] * cap
         self.trials = [0.0] * cap
         self.ratio_prior = cost_ratio_prior
-        self.t_draft: float | None = None  # seconds per drafted token after the first
-        self.t_first: float | None = None  # seconds to the first drafted token (catch-up included)
-        self.v_mean: dict[int, float] = {}  # batch size → running mean of verify seconds
+        self.bands: dict[int, _Costs] = {}
+        self.n_ctx = 0
+        self._c = self._band(0)  # the costs of the current context band
+        self.n_calibrations = 0
         self.overhead = 0.0
         self.ema = ema
         self.probe_min, self.probe_max, self.probe_k = probe_min, probe_max, probe_k
@@ -74,7 +106,58 @@ class AdaptiveDraft:
         self.plain_streak = 0
         self.n_plain_steps = 0
         self.n_probes = 0
-        self._line: tuple[float, float] | None = None  # (intercept, slope) of V(b), refreshed on new data
+
+    # -- context ----------------------------------------------------------------------------------
+    def _band(self, band: int) -> _Costs:
+        return self.bands.setdefault(band, _Costs())
+
+    def at(self, n_ctx: int) -> None:
+        """The next steps run at a context of n_ctx tokens."""
+        self.n_ctx = n_ctx
+        self._c = self._band(ctx_band(n_ctx))
+
+    def _measured(self, n_ctx: int, with_draft: bool) -> bool:
+        c = self.bands.get(ctx_band(n_ctx))
+        return c is not None and 1 in c.v_mean and (not with_draft or c.t_first is not None)
+
+    def calibration_points(self, first: int, last: int, with_draft: bool) -> list[int]:
+        """Positions of a prefill over first..last-1 worth timing alone: the last-but-one when its context band
+        has no measurement yet, and then the first as well when it lies in another unmeasured band (two
+        contexts give attention's share of a token's cost, which a batched verify pays once per row)."""
+        if last - first < 2 or self._measured(last - 1, with_draft):
+            return []
+        if ctx_band(first) != ctx_band(last - 1) and not self._measured(first, with_draft) and \
+                not any(1 in c.v_mean for c in self.bands.values()):
+            return [first, last - 1]
+        return [last - 1]
+
+    def calibrate(self, n_ctx: int, verify_one_s: float, draft_token_s: float | None) -> None:
+        """Seed n_ctx's band with one target token and one draft token timed at that context."""
+        c = self._band(ctx_band(n_ctx))
+        if 1 not in c.v_mean:
+            c.v_mean[1], c.ctx_one = verify_one_s, n_ctx
+        if draft_token_s is not None and c.t_first is None:
+            c.t_first = draft_token_s
+        self.n_calibrations += 1
+
+    def _nearest(self, has) -> _Costs | None:
+        """The band closest to the current one with `has(costs)` true (the lower one on a tie)."""
+        here = ctx_band(self.n_ctx)
+        found = sorted((abs(b - here), b) for b, c in self.bands.items() if has(c))
+        return self.bands[found[0][1]] if found else None
+
+    # Backwards-compatible views of the current band (tune, tests).
+    @property
+    def t_draft(self) -> float | None:
+        return self._c.t_draft
+
+    @property
+    def t_first(self) -> float | None:
+        return self._c.t_first
+
+    @property
+    def v_mean(self) -> dict[int, float]:
+        return self._c.v_mean
 
     # -- estimates ------------------------------------------------------------------------------
     def alphas(self) -> list[float]:
@@ -88,32 +171,72 @@ class AdaptiveDraft:
             out.append(prev)
         return out
 
+    def verify_one_s(self) -> float:
+        """A single-token decode at the current context: measured here, else in the nearest band."""
+        c = self._c if 1 in self._c.v_mean else self._nearest(lambda c: 1 in c.v_mean)
+        if c is not None:
+            return c.v_mean[1]
+        c = self._nearest(lambda c: bool(c.v_mean))
+        return min(c.v_mean.values()) if c is not None else 1.0
+
     def verify_s(self, b: int) -> float:
         # A single-token decode runs other kernels than a batch, so b = 1 stands alone; sizes not measured
         # yet come from a line through the measured batches (flat from one: optimistic, so it gets tried).
         # Verifying more tokens never costs less than one: a noisy reading must not make drafting look free.
-        one = self.v_mean.get(1)
-        floor = one if one is not None and b > 1 else 0.0
-        v = self.v_mean.get(b)
-        if v is not None:
-            return max(v, floor)
+        one = self.verify_one_s()
         if b == 1:
-            return min(self.v_mean.values()) if self.v_mean else 1.0
-        if self._line is None:
-            batches = [x for bb, x in self.v_mean.items() if bb > 1]
-            return max(min(batches) if batches else (one or 1.0), floor)
-        a, s = self._line
-        return max(a + s * b, floor, 1e-9)
+            return one
+        c = self._c
+        if any(bb > 1 for bb in c.v_mean):
+            return max(self._batch_s(c, b), one)
+        near = self._nearest(lambda c: any(bb > 1 for bb in c.v_mean))
+        if near is not None:
+            # Another context band: each of the b rows attends to the context, so a batch grows by b times
+            # the single token's change between the two contexts (an upper bound: rows share the reads).
+            shift = b * (one - near.v_mean[1]) if 1 in near.v_mean else 0.0
+            return max(self._batch_s(near, b) + shift, one)
+        # No batch measured anywhere: flat from one token (optimistic, so that drafting gets tried), plus the
+        # attention of each extra row, from single tokens timed at two contexts.
+        return one + (b - 1) * self._attention_s()
+
+    def _attention_s(self) -> float:
+        """Attention's share of a single-token decode at the current context: from the change in its cost since
+        the nearest band measured at a different context (linear in the context), else from the arithmetic
+        (attention_prior)."""
+        c = self._c
+        one = self.verify_one_s()
+        other = self._nearest(lambda o: o is not c and 1 in o.v_mean and abs(o.ctx_one - c.ctx_one) >= 1)
+        if 1 not in c.v_mean or other is None:
+            grow = self.attention_prior * self.n_ctx
+            return one * grow / (1.0 + grow)
+        slope = (c.v_mean[1] - other.v_mean[1]) / (c.ctx_one - other.ctx_one)
+        return min(max(slope, 0.0) * self.n_ctx, one)
+
+    @staticmethod
+    def _batch_s(c: _Costs, b: int) -> float:
+        v = c.v_mean.get(b)
+        if v is not None:
+            return v
+        if c.line is None:
+            return min(x for bb, x in c.v_mean.items() if bb > 1)
+        a, s = c.line
+        return max(a + s * b, 1e-9)
 
     def draft_s(self) -> float:
         """Seconds per drafted token after the first."""
-        if self.t_draft is not None:
-            return self.t_draft
-        return self.t_first if self.t_first is not None else self.ratio_prior * self.verify_s(1)
+        c = self._c
+        if c.t_draft is None and c.t_first is None:
+            c = self._nearest(lambda c: c.t_draft is not None or c.t_first is not None)
+            if c is None:
+                return self.ratio_prior * self.verify_one_s()
+        return c.t_draft if c.t_draft is not None else c.t_first
 
     def first_s(self) -> float:
         """Seconds to the first drafted token of a step."""
-        return self.t_first if self.t_first is not None else self.draft_s()
+        c = self._c if self._c.t_first is not None else self._nearest(lambda c: c.t_first is not None)
+        if c is None or (c is not self._c and self._c.t_draft is not None):
+            return self.draft_s()
+        return c.t_first
 
     def expected(self, limit: int) -> tuple[int, float]:
         """(best k ≤ limit, its expected tokens per second)."""
@@ -166,29 +289,32 @@ class AdaptiveDraft:
                 self.trials[i] += 1.0
             if n_accepted < n_drafted:
                 self.trials[n_accepted] += 1.0
+        c = self._c
         if draft_token_s is not None:
-            self.t_draft = self._mean(self.t_draft, draft_token_s)
+            c.t_draft = self._mean(c.t_draft, draft_token_s)
         if first_token_s is not None:
-            self.t_first = self._mean(self.t_first, first_token_s)
+            c.t_first = self._mean(c.t_first, first_token_s)
         b = n_drafted + 1
-        old = self.v_mean.get(b)
-        self.v_mean[b] = self._mean(old, verify_s)
+        if b == 1:
+            c.ctx_one = self._mean(c.ctx_one if 1 in c.v_mean else None, float(self.n_ctx))
+        c.v_mean[b] = self._mean(c.v_mean.get(b), verify_s)
         self.overhead += self.ema * (overhead_s - self.overhead)
         if b > 1:
-            self._refit()
+            self._refit(c)
 
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.ema * (new - old)
 
-    def _refit(self) -> None:
-        pts = [(b, v) for b, v in self.v_mean.items() if b > 1]
+    @staticmethod
+    def _refit(c: _Costs) -> None:
+        pts = [(b, v) for b, v in c.v_mean.items() if b > 1]
         if len(pts) < 2:
-            self._line = None
+            c.line = None
             return
         mx, my = sum(b for b, _ in pts) / len(pts), sum(v for _, v in pts) / len(pts)
         sxx = sum((b - mx) ** 2 for b, _ in pts)
         slope = max(sum((b - mx) * (v - my) for b, v in pts) / sxx, 0.0)
-        self._line = (my - slope * mx, slope)
+        c.line = (my - slope * mx, slope)
 
     def snapshot(self, limit: int | None = None) -> AdaptiveSnapshot:
         k, _ = self.expected(self.cap if limit is None else limit)
@@ -196,4 +322,5 @@ class AdaptiveDraft:
             alpha=tuple(self.alphas()), draft_ms_per_token=None if self.t_draft is None else self.t_draft * 1e3,
             first_draft_ms=None if self.t_first is None else self.t_first * 1e3,
             verify_ms={b: v * 1e3 for b, v in sorted(self.v_mean.items())}, overhead_ms=self.overhead * 1e3,
+            n_ctx=self.n_ctx, n_calibrations=self.n_calibrations,
             best_k=k, n_plain_steps=self.n_plain_steps, n_probes=self.n_probes)

@@ -110,6 +110,7 @@ def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, setti
         "n_drafted_by": dict(st.n_drafted_by) if spec else None,  # per drafter: {"model": n, "ngram": n}
         "n_accepted_by": dict(st.n_accepted_by) if spec else None,
         "n_restores": st.n_restores,  # checkpoint restores (targets or drafts that cannot drop part of a sequence)
+        "n_draft_slides": st.n_draft_slides,  # the draft's window moved on (--ctx-draft smaller than --ctx)
         "n_rollbacks": st.n_rollbacks,  # recurrent/hybrid tails dropped through state snapshots instead
         "decode_ms": st.decode_ms, "overhead_fraction": st.overhead_fraction, "stop_reason": st.stop_reason,
     }

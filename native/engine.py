@@ -30,6 +30,7 @@ log = logging.getLogger("specq.engine")
 DRAFT_MAX_CAP = 64
 # `draft_max="auto"`: the adaptive controller picks each step's length in 0..AUTO_DRAFT_CAP.
 AUTO_DRAFT_CAP = 16
+MIN_DRAFT_WINDOW = 2 * (DRAFT_MAX_CAP + 2)  # a window slides to half its size, leaving room for a whole draft
 ACCEPT_MODES = ("auto", "match", "rejection")
 
 
@@ -166,6 +167,7 @@ class GenerationStats(Rates):
     n_plain_steps: int = 0  # draft_max=auto: steps that chose not to draft (probes excluded)
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning
     n_rollbacks: int = 0  # recurrent/hybrid tails dropped through state snapshots (no checkpoint restore)
+    n_draft_slides: int = 0  # times the draft's window moved on (a --ctx-draft smaller than --ctx)
     n_drafted_by: tuple[tuple[str, int], ...] = ()  # per drafter ("model", "ngram")
     n_accepted_by: tuple[tuple[str, int], ...] = ()
     # The cost model's inputs (native/cost.py): what each step drafted, verified and cost.
@@ -186,7 +188,8 @@ class _Cache:
     """One model's context and exactly the tokens its memory holds (positions 0..len-1)."""
 
     ctx: _ffi.Context
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the history from `offset` on, at positions 0..
+    offset: int = 0  # a draft's window: how many of the history's first tokens its memory leaves out
     checkpoint: tuple[int, bytes] | None = None  # (n_tokens, state) for memories without partial removal
     partial_rm: bool = True
     n_restores: int = 0  # checkpoint restores; on a sliding-window memory, re-evaluations (cells gone)
@@ -212,7 +215,8 @@ class _Cache:
         if self.partial_rm and not self.ctx.window_intact(n):
             # A sliding-window cache already reused the cells that position n attends to: evaluate again.
             keep = self.tokens[:n]
-            self.clear()
+            self.ctx.clear()  # (the draft window's offset stays: the same tokens at the same positions)
+            self.tokens.clear()
             self.n_restores += 1
             self.extend(keep, logits="none")
             return
@@ -253,6 +257,7 @@ class _Cache:
         self.ctx.decode(new, n0, logits=logits)
 
     def clear(self) -> None:
+        self.offset = 0
         self.tokens.clear()
         self.checkpoint = None
         self.ctx.clear()
@@ -272,9 +277,10 @@ class SimulatedClock:
     """A deterministic clock: time moves only by a modelled cost per llama_decode, so that what the adaptive
     controller decides depends on the costs given, not on how busy the machine is (tests, replays).
 
-    `cost(name, n_tokens)` → seconds for one decode of n tokens by the "target" or the "draft"."""
+    `cost(name, n_tokens, pos0)` → seconds for one decode of n tokens at positions pos0.. by the "target" or
+    the "draft"."""
 
-    def __init__(self, cost: Callable[[str, int], float]):
+    def __init__(self, cost: Callable[[str, int, int], float]):
         self.cost = cost
         self.now = 0.0
         self.n_decodes = 0
@@ -282,8 +288,8 @@ class SimulatedClock:
     def __call__(self) -> float:
         return self.now
 
-    def on_decode(self, name: str, n_tokens: int) -> None:
-        self.now += self.cost(name, n_tokens)
+    def on_decode(self, name: str, n_tokens: int, pos0: int) -> None:
+        self.now += self.cost(name, n_tokens, pos0)
         self.n_decodes += 1
 
 
@@ -305,13 +311,15 @@ class Engine:
                  draft_tensor_split: list[float] | None = None, devices: list[str] | None = None,
                  draft_devices: list[str] | None = None, draft_ctx: int | None = None,
                  draft_threads: int | None = None, draft_n_batch: int | None = None, cpu_amx: bool = False,
-                 clock: Callable[[], float] | None = None, rollback_tokens: int = AUTO_DRAFT_CAP):
+                 clock: Callable[[], float] | None = None, rollback_tokens: int = AUTO_DRAFT_CAP,
+                 flash_attn: str = "auto", draft_flash_attn: str | None = None):
         """Each model gets its own context size, batch size, threads and GPU layers (the draft's default to
         the target's); generation stops at the smaller context, since the draft holds the same tokens.
         `cpu_amx` lets llama.cpp use its AMX weight buffer, which crashes on some builds (native/cpu.py).
         `clock` times the steps (default time.perf_counter); a SimulatedClock makes timings deterministic.
         `rollback_tokens`: on a recurrent/hybrid target, how many rejected tokens a verify can roll back through
-        llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it."""
+        llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it.
+        `flash_attn`/`draft_flash_attn`: on, off or auto (llama.cpp's choice); placement.choose_flash_attn picks."""
         for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx, 16), ("--threads", threads, 1),
                                ("--threads-draft", draft_threads, 1)):
             if v is not None and v < least:
@@ -329,14 +337,25 @@ class Engine:
             # A verify batch [last, d1..dn] must be one decode with logits at every row: never split it.
             self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=max(n_batch, DRAFT_MAX_CAP + 1),
                                         n_outputs_max=DRAFT_MAX_CAP + 1, name="target",
-                                        n_rs_seq=rollback_tokens if self.target.is_recurrent_or_hybrid else 0)
+                                        n_rs_seq=rollback_tokens if self.target.is_recurrent_or_hybrid else 0,
+                                        flash_attn=flash_attn)
             self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,
-                                         n_batch=draft_n_batch or n_batch, n_outputs_max=1, name="draft")
+                                         n_batch=draft_n_batch or n_batch, n_outputs_max=1, name="draft",
+                                         flash_attn=draft_flash_attn or flash_attn)
                             if self.draft is not None else None)
         except BaseException:
             self.close()
             raise
-        self.n_ctx = min(c.n_ctx for c in (self.tgt_ctx, self.dft_ctx) if c is not None)
+        # A draft context smaller than the target's is a window: the draft sees only the most recent tokens
+        # (at long context its attention then costs what it does at short context), the target all of them.
+        self.draft_window = None
+        if self.dft_ctx is not None and self.dft_ctx.n_ctx < self.tgt_ctx.n_ctx:
+            if self.dft_ctx.n_ctx < MIN_DRAFT_WINDOW:
+                self.close()
+                raise UsageError(f"--ctx-draft below --ctx makes the draft see a window of recent tokens, at least "
+                                 f"{MIN_DRAFT_WINDOW} ({self.dft_ctx.n_ctx})")
+            self.draft_window = self.dft_ctx.n_ctx
+        self.n_ctx = self.tgt_ctx.n_ctx
         self.clock = clock or time.perf_counter
         if isinstance(clock, SimulatedClock):
             for c in (self.tgt_ctx, self.dft_ctx):
@@ -409,6 +428,7 @@ class Session:
         self.engine = engine
         self.history: list[int] = []
         self._controllers: dict[tuple, AdaptiveDraft] = {}
+        self.n_draft_slides = 0  # times the draft's window moved on (a smaller --ctx-draft)
         self.tgt = _Cache(engine.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
         self.dft = (_Cache(engine.dft_ctx, partial_rm=not engine.draft.is_recurrent_or_hybrid)
                     if engine.dft_ctx is not None else None)
@@ -443,7 +463,8 @@ class Session:
             eng = self.engine
             # an n-gram lookup costs next to nothing; a model about its share of the target's bytes
             ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1) if eng.draft is not None else 0.01
-            self._controllers[key] = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio)
+            self._controllers[key] = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio,
+                                                   attention_prior=eng.target.attention_per_context_token())
         return self._controllers[key]
 
     # ==== the speculative step ================================================================
@@ -457,8 +478,10 @@ class Session:
         dft = self.dft
         clock = self.engine.clock
         t_start = clock()
-        catchup = len(self.history) - len(dft.tokens)
-        dft.extend(self.history[len(dft.tokens):], logits="last")  # catch up, incl. the last token
+        self._fit_draft(len(self.history) + n_max)
+        seen = dft.offset + len(dft.tokens)
+        catchup = len(self.history) - seen
+        dft.extend(self.history[seen:], logits="last")  # catch up, incl. the last token
         dft.save_checkpoint()
         t_loop = clock()
         n_vocab_tgt = self.engine.target.n_vocab
@@ -534,7 +557,19 @@ class Session:
         """Roll both memories back to the committed history (the target holds all but the last token)."""
         self.tgt.truncate(_common_prefix(self.tgt.tokens, self.history[:-1]))
         if self.dft is not None:
-            self.dft.truncate(_common_prefix(self.dft.tokens, self.history))
+            if len(self.history) <= self.dft.offset:
+                self.dft.clear()  # rolled back past the draft's window: it starts again from the beginning
+            self.dft.truncate(_common_prefix(self.dft.tokens, self.history[self.dft.offset:]))
+
+    def _fit_draft(self, n_tokens: int) -> None:
+        """Move the draft's window on, if it has one, so that it can hold the history's first n_tokens tokens:
+        it restarts from the last half-window of the history (evaluated again at the next catch-up)."""
+        window, dft = self.engine.draft_window, self.dft
+        if window is None or n_tokens - dft.offset <= window:
+            return
+        dft.clear()
+        dft.offset = min(n_tokens - window // 2, len(self.history) - 1)
+        self.n_draft_slides += 1
 
     def rollback(self, n: int) -> None:
         """Keep the first n tokens of the history and roll both caches back to them (a server's stop string
@@ -545,8 +580,12 @@ class Session:
         self._rewind()
 
     # ==== generation ============================================================================
-    def prefill(self, new_tokens: list[int]) -> None:
-        """Append tokens to the history and evaluate all but the last on both models."""
+    def prefill(self, new_tokens: list[int], timed: Callable[[int, int], list[int]] | None = None) -> list[tuple]:
+        """Append tokens to the history and evaluate all but the last on both models.
+
+        `timed(first, last)`: positions among the new ones (first..last-1 may be evaluated) to decode alone and
+        time on each model: (position, target seconds, draft seconds or None) for each is returned, what one
+        token costs at that context. The tokens and positions decoded are the same either way."""
         if not new_tokens:
             raise UsageError("empty prompt; give some text to start from")
         total = len(self.history) + len(new_tokens)
@@ -557,9 +596,27 @@ class Session:
         self.history.extend(new_tokens)
         try:
             self._rewind()
-            self.tgt.extend(self.history[len(self.tgt.tokens):-1], logits="none")
-            if self.dft is not None:
-                self.dft.extend(self.history[len(self.dft.tokens):-1], logits="none")
+            hist, clock = self.history, self.engine.clock
+            last = len(hist) - 1
+            alone = sorted(set(p for p in (timed(len(self.tgt.tokens), last) if timed else ())
+                               if len(self.tgt.tokens) <= p < last))
+            out = []
+            for pos in alone + [last]:
+                self.tgt.extend(hist[len(self.tgt.tokens):pos], logits="none")
+                if self.dft is not None:
+                    self._fit_draft(pos + 1)
+                    self.dft.extend(hist[self.dft.offset + len(self.dft.tokens):pos], logits="none")
+                if pos == last:
+                    break
+                t0 = clock()
+                self.tgt.extend([hist[pos]], logits="last")
+                t1 = clock()
+                draft_s = None
+                if self.dft is not None and self.dft.offset + len(self.dft.tokens) == pos:
+                    self.dft.extend([hist[pos]], logits="last")
+                    draft_s = clock() - t1
+                out.append((pos, t1 - t0, draft_s))
+            return out
         except BaseException:
             del self.history[-len(new_tokens):]
             self._rewind()
@@ -587,6 +644,7 @@ class _Progress:
     decode0: float = 0.0
     restores0: int = 0
     rollbacks0: int = 0
+    slides0: int = 0
     plain0: int = 0  # the controller's counters when this generation began (it outlives generations)
     probes0: int = 0
     drafted_by: dict = field(default_factory=dict)
@@ -645,6 +703,7 @@ class Generation:
             prompt_ms=p.prompt_s * 1e3, draft_ms=p.draft_s * 1e3, verify_ms=p.verify_s * 1e3,
             gen_ms=gen_s * 1e3, decode_ms=(sum(c.decode_s for c in self._ctxs) - p.decode0) * 1e3,
             n_restores=self.session.n_restores - p.restores0, n_rollbacks=self.session.n_rollbacks - p.rollbacks0,
+            n_draft_slides=self.session.n_draft_slides - p.slides0,
             stop_reason=stop,
             accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
                 "greedy" if s.temp <= 0 else "sample"),
@@ -666,19 +725,26 @@ class Generation:
     def __iter__(self) -> Iterator[TokenEvent]:
         ses, s, p = self.session, self.settings, self._p
         eng = ses.engine
-        tp0 = self._clock()
-        ses.prefill(self.new_tokens)
-        p.prompt_s = self._clock() - tp0
-
-        samp = self._samp = _Sampling(s, self.speculative)
         ctrl = ses.controller(s) if self.speculative and s.adaptive else None
         self.controller = ctrl
+        with_draft = ses.dft is not None and "model" in s.drafters
+        tp0 = self._clock()
+        # Where nothing was measured at this context yet, the prefill times single tokens on each model, so
+        # that the first step is priced at this context (at thousands of tokens attention changes the costs).
+        timed = ses.prefill(self.new_tokens,
+                            timed=(lambda first, last: ctrl.calibration_points(first, last, with_draft))
+                            if ctrl is not None else None)
+        p.prompt_s = self._clock() - tp0
+        for pos, target_s, draft_s in timed:
+            ctrl.calibrate(pos, target_s, draft_s)
+
+        samp = self._samp = _Sampling(s, self.speculative)
         if ctrl is not None:
             p.plain0, p.probes0 = ctrl.n_plain_steps, ctrl.n_probes
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         stop = "interrupted"
         p.decode0 = sum(c.decode_s for c in self._ctxs)
-        p.restores0, p.rollbacks0 = ses.n_restores, ses.n_rollbacks
+        p.restores0, p.rollbacks0, p.slides0 = ses.n_restores, ses.n_rollbacks, ses.n_draft_slides
         p.t_gen0 = self._clock()
         try:
             while True:
@@ -696,6 +762,7 @@ class Generation:
                         n_draft_max = min(n_draft_max, remaining - 1)
                     if ctrl is not None:
                         t_step = self._clock()
+                        ctrl.at(len(ses.history))
                         n_draft_max = ctrl.choose(n_draft_max)
                 step = ses._step(s, samp, max(n_draft_max, 0))
                 p.n_steps += 1

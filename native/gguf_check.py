@@ -107,7 +107,7 @@ def expected_tensors(h: GGUFHeader, n_vocab: int) -> list[Expected] | None:
     return architecture_tensors(h.arch, d, n_vocab, fused)
 
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def architecture_tensors(arch: str, d: dict[str, int], n_vocab: int, fused: set[int] = frozenset()) -> list[Expected]:
@@ -116,6 +116,8 @@ def architecture_tensors(arch: str, d: dict[str, int], n_vocab: int, fused: set[
     `fused`: layers that carry one attn_qkv instead of attn_q/k/v. The converter checks a checkpoint
     against the same list, so what it writes is what llama.cpp will load."""
     e = d["n_embd"]
+    if arch == "gemma3":
+        return gemma3_tensors(d, n_vocab)
     # as the loaders read them: qwen2 sizes q by n_embd, and both qwens size k like v
     q = e if arch == "qwen2" else d["head_k"] * d["n_head"]
     k_gqa = d["k_gqa"] if arch == "llama" else d["v_gqa"]
@@ -133,6 +135,23 @@ def architecture_tensors(arch: str, d: dict[str, int], n_vocab: int, fused: set[
                 Expected(b + "ffn_up.weight", (e, d["n_ff"]))]
         if arch == "qwen3":
             out += [Expected(b + "attn_q_norm.weight", (d["head_k"],)), Expected(b + "attn_k_norm.weight", (d["head_k"],))]
+    return out
+
+
+def gemma3_tensors(d: dict[str, int], n_vocab: int) -> list[Expected]:
+    """What llama.cpp's gemma3 loader creates (src/models/gemma3.cpp): q/k norms, norms after attention and FFN."""
+    e, q = d["n_embd"], d["head_k"] * d["n_head"]
+    out = [Expected("token_embd.weight", (e, n_vocab)), Expected("output_norm.weight", (e,)),
+           Expected("output.weight", (e, n_vocab), required=False)]
+    for i in range(d["n_layer"]):
+        b = f"blk.{i}."
+        out += [Expected(b + "attn_norm.weight", (e,)), Expected(b + "attn_q.weight", (e, q)),
+                Expected(b + "attn_k.weight", (e, d["k_gqa"])), Expected(b + "attn_v.weight", (e, d["v_gqa"])),
+                Expected(b + "attn_output.weight", (q, e)), Expected(b + "post_attention_norm.weight", (e,)),
+                Expected(b + "attn_q_norm.weight", (d["head_k"],)), Expected(b + "attn_k_norm.weight", (d["head_k"],)),
+                Expected(b + "ffn_norm.weight", (e,)), Expected(b + "ffn_gate.weight", (e, d["n_ff"])),
+                Expected(b + "ffn_up.weight", (e, d["n_ff"])), Expected(b + "ffn_down.weight", (d["n_ff"], e)),
+                Expected(b + "post_ffw_norm.weight", (e,))]
     return out
 
 

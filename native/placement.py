@@ -23,6 +23,8 @@ class Placement:
     devices: tuple[str, ...] | None = None
     draft_devices: tuple[str, ...] | None = None
     cpu_amx: bool = False  # let llama.cpp use its AMX weight buffer (native/cpu.py: off by default)
+    flash_attn: str = "auto"  # the target's attention path: on, off or auto (llama.cpp's choice)
+    draft_flash_attn: str = "auto"
 
     def engine_options(self) -> dict:
         """Engine keyword arguments beyond ngl/ngl_draft (lists where it takes lists)."""
@@ -31,7 +33,27 @@ class Placement:
                 "draft_tensor_split": list(self.draft_tensor_split) if self.draft_tensor_split else None,
                 "devices": list(self.devices) if self.devices else None,
                 "draft_devices": list(self.draft_devices) if self.draft_devices else None,
-                "cpu_amx": self.cpu_amx}
+                "cpu_amx": self.cpu_amx, "flash_attn": self.flash_attn, "draft_flash_attn": self.draft_flash_attn}
+
+
+FLASH_ATTN_VALUES = ("auto", "on", "off")
+
+
+def choose_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None) -> str:
+    """The attention path for one model: what --flash-attn says, and for auto, off when the model runs on the
+    CPU alone, else llama.cpp's own choice ("auto": on where the device supports it).
+
+    On the CPU, llama.cpp's flash-attention kernel decodes slower than the plain one once the context is
+    long, and a verify batch more so: docs/benchmarks.md#long-context measures plain decoding and verifies
+    both ways from 0.5k to 8k tokens. It does process a prompt faster, so a long prompt followed by a short
+    answer can be quicker with --flash-attn on."""
+    if flag not in FLASH_ATTN_VALUES:
+        raise UsageError(f"--flash-attn must be auto, on or off ({flag})")
+    if flag != "auto":
+        return flag
+    on_cpu = (ngl == 0 or not _ffi.supports_gpu_offload()) if not devices else \
+        all(d.upper().startswith("CPU") for d in devices)
+    return "off" if on_cpu else "auto"
 
 
 def default_ngl() -> int:
@@ -62,7 +84,8 @@ def parse_devices(text: str | None) -> tuple[str, ...] | None:
 def resolve_placement(target: str, draft: str | None, *, ctx: int, ngl: int | None = None,
                       ngl_draft: int | None = None, vram_budget: str | None = None, main_gpu: int = 0,
                       tensor_split: str | None = None, device: str | None = None,
-                      draft_device: str | None = None, cpu_amx: bool = False) -> Placement:
+                      draft_device: str | None = None, cpu_amx: bool = False,
+                      flash_attn: str = "auto") -> Placement:
     """Turn the placement flags into a Placement; an explicit --ngl/--ngl-draft wins over the planner."""
     if ngl is not None and ngl < 0:
         raise UsageError(f"--ngl must be >= 0 ({ngl})")
@@ -93,6 +116,9 @@ def resolve_placement(target: str, draft: str | None, *, ctx: int, ngl: int | No
     if draft is not None and n_tgt > 0 and n_dft == 0 and _ffi.supports_gpu_offload():
         log.warning("the target is on the GPU but the draft is on the CPU: drafting will be slow and "
                     "speculation may not pay; use --ngl-draft (or --vram-budget)")
+    devices, draft_devices = parse_devices(device), parse_devices(draft_device)
     return Placement(ngl=n_tgt, ngl_draft=n_dft, main_gpu=main_gpu, tensor_split=split,
-                     draft_tensor_split=draft_split or split, devices=parse_devices(device),
-                     draft_devices=parse_devices(draft_device), cpu_amx=cpu_amx)
+                     draft_tensor_split=draft_split or split, devices=devices,
+                     draft_devices=draft_devices, cpu_amx=cpu_amx,
+                     flash_attn=choose_flash_attn(flash_attn, n_tgt, devices),
+                     draft_flash_attn=choose_flash_attn(flash_attn, n_dft, draft_devices or devices))

@@ -92,7 +92,7 @@ def deep_target(models_dir, tiny_target):
 def cpu_like_costs(target_one_ms: float, draft_ms: float):
     """Decode costs shaped like a CPU's: one token runs other kernels than a batch, which grows per token;
     the draft's catch-up over a few tokens costs little more than one."""
-    def cost(name: str, n: int) -> float:
+    def cost(name: str, n: int, pos0: int = 0) -> float:
         if name == "draft":
             return (draft_ms + 0.1 * draft_ms * (n - 1)) / 1e3
         return (target_one_ms if n == 1 else 1.4 * target_one_ms + 0.05 * target_one_ms * n) / 1e3
@@ -202,3 +202,69 @@ def test_the_cost_model_explains_a_run_on_a_simulated_clock(deep_target, tiny_cl
     assert costs.predicted_tokens_per_s() == pytest.approx(measured, rel=0.03)
     ideal = costs.ideal_tokens_per_s(10.0)  # a verify pass priced as one single-token decode
     assert ideal >= measured
+
+
+def context_costs(attn_ms_per_row_token: float):
+    """cpu_like_costs (a 20 ms target, a 2 ms draft) plus attention: each row of a decode pays for every token
+    before it, on both models alike (a draft of the target's architecture reads a context as long)."""
+    base = cpu_like_costs(target_one_ms=20.0, draft_ms=2.0)
+
+    def cost(name: str, n: int, pos0: int = 0) -> float:
+        rows_x_context = n * pos0 + n * (n - 1) / 2
+        return base(name, n) + attn_ms_per_row_token * rows_x_context / 1e3
+    return cost
+
+
+def first_step(session, toks, settings):
+    """Run one step of a generation; (tokens it drafted, plain steps) after it."""
+    gen = session.generate(toks, settings)
+    it = iter(gen)
+    next(it)
+    snap = gen.snapshot()
+    it.close()
+    return snap.n_drafted, snap.n_plain_steps
+
+
+def long_prompt(e, n_tokens: int) -> list[int]:
+    words = ("the cat sat on a mat while seven dogs ran past old red barns near green hills "
+             "and quiet rivers under grey clouds before rain fell on tall trees").split()
+    rng = np.random.default_rng(5)
+    toks = e.tokenize(" ".join(rng.choice(words, size=n_tokens)))
+    assert len(toks) >= n_tokens
+    return toks[:n_tokens]
+
+
+def test_at_long_context_the_first_step_is_plain_when_the_measured_costs_make_drafting_a_loss(deep_target,
+                                                                                                tiny_target):
+    # The draft is 1/12 of the target's weights (the prior says: draft), but at 1,500 tokens of context a
+    # token's attention (15 ms here) makes the draft cost 17 ms against the target's 35 ms, and a 2-token
+    # verify 66 ms: drafting loses even when every draft is accepted. Short prompts still draft.
+    clock = SimulatedClock(context_costs(attn_ms_per_row_token=0.01))
+    auto = GenerationSettings(n_predict=16, draft_max="auto")
+    with Engine(deep_target, tiny_target, ctx=2048, threads=1, clock=clock) as e:
+        fresh = e.session()
+        drafted, plain = first_step(fresh, long_prompt(e, 1500), auto)
+        assert (drafted, plain) == (0, 1)
+        ctrl = fresh.controller(auto)
+        # it timed a target and a draft token at that context, and at the prompt's start (attention's share)
+        assert ctrl.n_calibrations == 2
+
+        # A session that learned its costs at short context (where drafting pays) and then gets a long prompt:
+        # the short-context costs must not price the long-context step.
+        ses = e.session()
+        short = ses.generate(e.tokenize("The quick brown fox"), auto).run()
+        assert short.stats.n_drafted > 0
+        ses.reset()
+        drafted, plain = first_step(ses, long_prompt(e, 1500), auto)
+        assert (drafted, plain) == (0, 1)
+        ctrl = ses.controller(auto)
+        assert ctrl.n_calibrations == 2 and len(ctrl.bands) == 2  # one at each context
+
+
+def test_at_long_context_drafting_that_still_pays_starts_at_the_first_step(deep_target, tiny_target):
+    # Same pair, attention 10x cheaper: 1.5 ms per token at 1,500 tokens; the draft still pays there.
+    clock = SimulatedClock(context_costs(attn_ms_per_row_token=0.001))
+    with Engine(deep_target, tiny_target, ctx=2048, threads=1, clock=clock) as e:
+        ses = e.session()
+        drafted, plain = first_step(ses, long_prompt(e, 1500), GenerationSettings(n_predict=16, draft_max="auto"))
+        assert drafted > 0 and plain == 0

@@ -58,6 +58,8 @@ ROWS: dict[str, Row] = {
     "chat-temp-inf": Row((*CHAT, "--target", "{target}", "--temp", "inf"), 2, "--temp must be a finite number"),
     "tune-temp-nan": Row((*TUNE, "--target", "{target}", "--draft", "{target}", "--temp", "nan"), 2, "finite"),
     "p-min-nan": Row((*BENCH, "--target", "{target}", "--p-min", "nan"), 2, "--p-min must be a finite number"),
+    "flash-attn-bogus": Row((*BENCH, "--target", "{target}", "--flash-attn", "sometimes"), 2,
+                            "--flash-attn must be auto, on or off (sometimes)"),
     "vram-absurd": Row(("plan", "--target", "{target}", "--vram", "99999999999999TiB"), 2, "implausibly large"),
     "n-predict-abc": Row((*BENCH, "--target", "{target}", "--n-predict", "abc"), 2, "'--n-predict'", forbid="╭"),
     "n-predict-abc-value": Row(("bench", "--n-predict=abc"), 2, "(abc); see `specq bench --help`"),
@@ -252,10 +254,10 @@ def test_an_unexpected_exception_is_one_line_and_v_shows_the_traceback(monkeypat
 
 def test_convert_loads_what_it_wrote_before_reporting_success(files, tmp_path, monkeypatch):
     """With the checkpoint check off, the written file is still refused (and removed) by the load check."""
-    from specq.convert import pipeline, plan
+    from specq.convert import pipeline, tensor_jobs
     from specq.errors import ConversionError
 
-    monkeypatch.setattr(plan, "check_shapes", lambda *a: None)
+    monkeypatch.setattr(tensor_jobs, "check_shapes", lambda *a: None)
     with pytest.raises(ConversionError, match="the converted file does not load .*blk.0.ffn_up.weight is missing"):
         pipeline.convert_pair(files["ck_missing"], tmp_path / "pair", quant=None)
     assert list((tmp_path / "pair").iterdir()) == []

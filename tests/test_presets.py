@@ -36,7 +36,7 @@ def raw(name: str) -> dict:
 def test_the_initial_set_is_packaged():
     names = {p.name for p in presets.load_presets().values()}
     assert names == {"qwen2.5-7b", "qwen2.5-32b", "qwen2.5-coder-32b", "qwen3-8b", "qwen3-32b", "llama3.1-8b",
-                     "smollm2-1.7b"}
+                     "smollm2-1.7b", "gemma3-27b-1b", "gemma3-27b-270m"}
     assert len(PRESET_FILES) == len(names)
 
 
@@ -44,7 +44,8 @@ def test_the_initial_set_is_packaged():
 def test_each_file_parses_against_the_schema(path):
     doc = tomllib.loads(path.read_text(encoding="utf-8"))
     p = presets.parse_preset(doc, path.name)
-    assert set(doc) == set(presets.TOP_KEYS) and set(doc["settings"]) == set(presets.SETTINGS_KEYS)
+    assert set(presets.TOP_KEYS) <= set(doc) <= set(presets.TOP_KEYS) | set(presets.OPTIONAL_KEYS)
+    assert set(doc["settings"]) == set(presets.SETTINGS_KEYS)
     assert REPO_ID.match(p.target) and REPO_ID.match(p.draft) and p.target != p.draft
     # Quant types must be ones this llama.cpp build knows, not only names specq lists.
     known = _ffi.ftype_by_name()
@@ -54,6 +55,11 @@ def test_each_file_parses_against_the_schema(path):
     assert "\n" not in p.note and p.note
     assert 0 < p.gguf_gib < p.download_gib and p.gguf_gib < p.vram_gib
     assert "ESTIMATES" in path.read_text(encoding="utf-8")  # the sizes say they are estimates
+    assert p.vocab_verified and "\n" not in p.vocab_verified
+    if p.context_length_two_cards is not None:  # two 24 GiB cards: more context than one, and it fits in 48
+        assert p.context_length_two_cards > p.context_length and p.vram_gib < p.vram_gib_two_cards <= 48
+    if p.target.endswith("-27b-it") or p.target.endswith("-27B"):  # the headline size states both layouts
+        assert p.vram_gib <= 24 and p.context_length_two_cards is not None
 
 
 def test_names_unique_and_match_files():
@@ -78,6 +84,10 @@ def test_names_unique_and_match_files():
     (lambda d: d["settings"].update(draft_max=0), "preset value out of range"),
     (lambda d: d["settings"].update(draft_max=2, draft_min=3), "preset value out of range"),
     (lambda d: d.update(note="two\nlines"), "note must be one line"),
+    (lambda d: d.pop("vocab_verified"), "missing key in preset (x.toml: vocab_verified)"),
+    (lambda d: d.update(vocab_verified=""), "vocab_verified must be one line, not empty"),
+    (lambda d: d.update(context_length_two_cards=16384), "gives context_length_two_cards without vram_gib_two_cards"),
+    (lambda d: d.update(context_length_two_cards=1024, vram_gib_two_cards=9.0), "two-card values out of range"),
 ])
 def test_schema_errors_are_clear(change, message):
     doc = raw("qwen2.5-7b")
@@ -106,7 +116,7 @@ def test_presets_json_shape():
     doc = json.loads(r.stdout)
     assert isinstance(doc, list) and len(doc) == len(PRESET_FILES)
     for entry in doc:
-        assert set(entry) == set(presets.TOP_KEYS)
+        assert set(entry) == set(presets.TOP_KEYS) | set(presets.OPTIONAL_KEYS)
         assert set(entry["settings"]) == set(presets.SETTINGS_KEYS)
         assert isinstance(entry["vram_gib"], float) and isinstance(entry["context_length"], int)
     assert [e["name"] for e in doc] == sorted(e["name"] for e in doc)
@@ -153,7 +163,7 @@ def test_convert_preset_uses_its_quants_and_writes_its_settings(tmp_path, monkey
     d = write_checkpoint(tmp_path / "drf", variant(spec, seed=7))
     fake = presets.Preset(name="tiny", architecture="Qwen2ForCausalLM", target=str(t), draft=str(d),
                           target_quant="Q8_0", draft_quant="Q4_0", context_length=2048, note="test",
-                          download_gib=1.0, gguf_gib=0.5, vram_gib=0.75,
+                          download_gib=1.0, gguf_gib=0.5, vram_gib=0.75, vocab_verified="no",
                           settings={"draft_max": 11, "draft_min": 2, "p_min": 0.3})
     monkeypatch.setattr(cli_convert, "get_preset", lambda name: fake)
     r = runner.invoke(app, ["convert", "--preset", "tiny", "--out", str(tmp_path / "pair"), "-q"])
@@ -170,7 +180,7 @@ def test_explicit_quant_wins_over_the_preset(tmp_path, monkeypatch):
     t = write_checkpoint(tmp_path / "tgt", HFSpec(arch="LlamaForCausalLM", n_layer=1))
     fake = presets.Preset(name="tiny", architecture="LlamaForCausalLM", target=str(t), draft=str(t),
                           target_quant="Q8_0", draft_quant="Q8_0", context_length=2048, note="test",
-                          download_gib=1.0, gguf_gib=0.5, vram_gib=0.75,
+                          download_gib=1.0, gguf_gib=0.5, vram_gib=0.75, vocab_verified="no",
                           settings={"draft_max": 3, "draft_min": 0, "p_min": 0.0})
     monkeypatch.setattr(cli_convert, "get_preset", lambda name: fake)
     r = runner.invoke(app, ["convert", "--preset", "tiny", "--quant", "none", "--draft-quant", "Q4_0",

@@ -122,7 +122,7 @@ def test_the_shared_prefix_is_not_decoded_again(worker):
     base = eng.tokenize("def fibonacci(n):\n    if n < 2:")
     run_job(worker, base + eng.tokenize(" return"))
     decoded = []
-    eng.tgt_ctx.on_decode = lambda name, n: decoded.append(n)
+    eng.tgt_ctx.on_decode = lambda name, n, pos0: decoded.append(n)
     try:
         text, out = run_job(worker, base + eng.tokenize(" print"))
     finally:

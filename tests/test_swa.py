@@ -141,8 +141,7 @@ def test_a_rollback_past_what_the_cache_holds_evaluates_again(gemma3_pair):
 
 # ---- the planner counts what the small sliding-window cache holds -----------------------------------------------
 def write_gemma3_header(path, *, n_layer: int, n_embd: int, n_head_kv: int, head_dim: int, window: int):
-    """Header + tensor infos of a Gemma-3-shaped GGUF (one tensor per block is enough for the KV count); the data
-    is a sparse hole."""
+    """Header + tensor infos of a Gemma-3-shaped GGUF; the data is a sparse hole."""
     import os
 
     import gguf
@@ -159,10 +158,26 @@ def write_gemma3_header(path, *, n_layer: int, n_embd: int, n_head_kv: int, head
     w.add_sliding_window(window)  # no pattern key: llama.cpp's gemma3 default, every 6th layer global
     w.add_vocab_size(1024)
     f32 = np.dtype(np.float32)
-    w.add_tensor_info("token_embd.weight", (1024, n_embd), f32, 4 * 1024 * n_embd)
+
+    def t(name, *shape):  # numpy order (the ggml shape reversed)
+        w.add_tensor_info(name, shape, f32, 4 * int(np.prod(shape)))
+
+    d, q, kv, ff = n_embd, 2 * n_head_kv * head_dim, n_head_kv * head_dim, 4 * n_embd
+    t("token_embd.weight", 1024, d)
     for i in range(n_layer):
-        w.add_tensor_info(f"blk.{i}.attn_k.weight", (n_head_kv * head_dim, n_embd), f32, 4 * n_head_kv * head_dim * n_embd)
-    w.add_tensor_info("output_norm.weight", (n_embd,), f32, 4 * n_embd)
+        b = f"blk.{i}."
+        for name in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            t(b + name + ".weight", d)
+        t(b + "attn_q.weight", q, d)
+        t(b + "attn_k.weight", kv, d)
+        t(b + "attn_v.weight", kv, d)
+        t(b + "attn_output.weight", d, q)
+        t(b + "attn_q_norm.weight", head_dim)
+        t(b + "attn_k_norm.weight", head_dim)
+        t(b + "ffn_gate.weight", ff, d)
+        t(b + "ffn_up.weight", ff, d)
+        t(b + "ffn_down.weight", d, ff)
+    t("output_norm.weight", d)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
