@@ -138,11 +138,11 @@ def monkeypatch_module():
     mp.undo()
 
 
-def target_law(path, tokens: list[int], depth: int, top_k: int = 0) -> dict:
+def target_law(path, tokens: list[int], depth: int, top_k: int = 0, ctx: int = 128) -> dict:
     """The target's own sampling law of the next `depth` tokens (temp 1, optional top-k), computed with numpy on
     its logits: a reference that shares nothing with the engine's sampling or acceptance code."""
     law = {}
-    with _ffi.Model(path) as m, _ffi.Context(m, 128, 1) as c:
+    with _ffi.Model(path) as m, _ffi.Context(m, ctx, 1) as c:
         def probs(prefix):
             c.clear()
             c.decode(prefix, 0)
