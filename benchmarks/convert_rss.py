@@ -1,6 +1,6 @@
 """Conversion throughput and peak RSS for a ~200 MB and a >= 2 GB synthetic BF16 checkpoint.
 
-Usage: python benchmarks/convert_rss.py [--quant Q8_0] [--workdir DIR]
+Usage: python benchmarks/convert_rss.py [--quant Q8_0] [--arch llama|qwen35] [--workdir DIR]
 
 Each conversion runs in its own child process; its peak RSS is the child's ru_maxrss (os.wait4).
 The two checkpoints share width and vocabulary (so the largest tensor is the same) and differ in
@@ -24,6 +24,48 @@ import numpy as np
 
 WIDTH, FF, HEADS, VOCAB = 2048, 5632, 16, 32000
 SIZES = {"small": 1, "large": 20}  # layers: ~0.23 GB and ~2.2 GB (2085 MiB) of BF16 weights
+# qwen35 (Gated DeltaNet + a full-attention layer every 4th + one MTP block), same width and vocabulary:
+# 16 key / 32 value linear heads of 128 (the value heads are reordered while streaming), 4 KV heads of 128.
+QWEN35_SIZES = {"small": 4, "large": 16}  # ~0.7 GB and ~2.5 GB of BF16 weights
+LIN_K, LIN_V, LIN_D, KV_HEADS = 16, 32, 128, 4
+
+
+def qwen35_shapes(n_layer: int) -> tuple[dict, dict]:
+    """(config.json, tensor shapes) of a synthetic Qwen3_5ForCausalLM."""
+    cfg = {"architectures": ["Qwen3_5ForCausalLM"], "hidden_size": WIDTH, "intermediate_size": FF,
+           "num_hidden_layers": n_layer, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+           "head_dim": WIDTH // HEADS, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+           "vocab_size": VOCAB, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+           "linear_conv_kernel_dim": 4, "linear_key_head_dim": LIN_D, "linear_value_head_dim": LIN_D,
+           "linear_num_key_heads": LIN_K, "linear_num_value_heads": LIN_V, "full_attention_interval": 4,
+           "mtp_num_hidden_layers": 1}
+    hd, key, value = WIDTH // HEADS, LIN_K * LIN_D, LIN_V * LIN_D
+    shapes = {"model.embed_tokens.weight": (VOCAB, WIDTH), "model.norm.weight": (WIDTH,)}
+
+    def layer(p: str, linear: bool) -> dict:
+        s = {p + "input_layernorm.weight": (WIDTH,), p + "post_attention_layernorm.weight": (WIDTH,),
+             p + "mlp.gate_proj.weight": (FF, WIDTH), p + "mlp.up_proj.weight": (FF, WIDTH),
+             p + "mlp.down_proj.weight": (WIDTH, FF)}
+        if linear:
+            a = p + "linear_attn."
+            s |= {a + "in_proj_qkv.weight": (2 * key + value, WIDTH), a + "in_proj_z.weight": (value, WIDTH),
+                  a + "in_proj_a.weight": (LIN_V, WIDTH), a + "in_proj_b.weight": (LIN_V, WIDTH),
+                  a + "conv1d.weight": (2 * key + value, 1, 4), a + "dt_bias": (LIN_V,), a + "A_log": (LIN_V,),
+                  a + "norm.weight": (LIN_D,), a + "out_proj.weight": (WIDTH, value)}
+        else:
+            a = p + "self_attn."
+            s |= {a + "q_proj.weight": (2 * HEADS * hd, WIDTH), a + "k_proj.weight": (KV_HEADS * hd, WIDTH),
+                  a + "v_proj.weight": (KV_HEADS * hd, WIDTH), a + "o_proj.weight": (WIDTH, HEADS * hd),
+                  a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)}
+        return s
+
+    for i in range(n_layer):
+        shapes |= layer(f"model.layers.{i}.", (i + 1) % 4 != 0)
+    shapes |= {"mtp.fc.weight": (WIDTH, 2 * WIDTH), "mtp.pre_fc_norm_embedding.weight": (WIDTH,),
+               "mtp.pre_fc_norm_hidden.weight": (WIDTH,), "mtp.norm.weight": (WIDTH,)}
+    shapes |= layer("mtp.layers.0.", False)
+    return cfg, shapes
 
 
 def tokenizer_json() -> dict:
@@ -52,7 +94,7 @@ def tokenizer_json() -> dict:
     }
 
 
-def write_checkpoint(d: Path, n_layer: int) -> int:
+def write_checkpoint(d: Path, n_layer: int, arch: str = "llama") -> int:
     """Write config, tokenizer and model.safetensors tensor by tensor; returns the weight bytes."""
     d.mkdir(parents=True)
     cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": WIDTH, "intermediate_size": FF,
@@ -70,6 +112,9 @@ def write_checkpoint(d: Path, n_layer: int) -> int:
                    p + "self_attn.v_proj.weight": (WIDTH, WIDTH), p + "self_attn.o_proj.weight": (WIDTH, WIDTH),
                    p + "mlp.gate_proj.weight": (FF, WIDTH), p + "mlp.up_proj.weight": (FF, WIDTH),
                    p + "mlp.down_proj.weight": (WIDTH, FF)}
+    if arch == "qwen35":
+        cfg, shapes = qwen35_shapes(n_layer)
+        (d / "config.json").write_text(json.dumps(cfg))
     header, off = {}, 0
     for name, shape in shapes.items():
         nbytes = int(np.prod(shape)) * 2
@@ -122,20 +167,21 @@ def baseline_rss() -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quant", default="none", help="also quantize (e.g. Q8_0); default: write BF16 only")
+    ap.add_argument("--arch", default="llama", choices=("llama", "qwen35"))
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="specq-convert-bench-", dir=a.workdir))
-    need = 2.2e9 * (2 + (1 if a.quant != "none" else 0)) + 0.5e9
+    need = 2.7e9 * (2 + (1 if a.quant != "none" else 0)) + 0.5e9
     free = shutil.disk_usage(work).free
     if free < need:
         raise SystemExit(f"not enough free disk in {work}: need {need / 1e9:.1f} GB, have {free / 1e9:.1f} GB")
     results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                            "platform": platform.platform()},
-               "quant": a.quant, "baseline_import_rss_mb": round(baseline_rss() / 2**20, 1), "runs": []}
+               "arch": a.arch, "quant": a.quant, "baseline_import_rss_mb": round(baseline_rss() / 2**20, 1), "runs": []}
     try:
-        for label, n_layer in SIZES.items():
+        for label, n_layer in (QWEN35_SIZES if a.arch == "qwen35" else SIZES).items():
             src = work / f"src-{label}"
-            weight_bytes = write_checkpoint(src, n_layer)
+            weight_bytes = write_checkpoint(src, n_layer, a.arch)
             secs, rss = run_child([str(src), str(work / f"out-{label}"), a.quant])
             out_bytes = sum(f.stat().st_size for f in (work / f"out-{label}").glob("*.gguf"))
             results["runs"].append({

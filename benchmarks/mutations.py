@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_exactness.py", "tests/test_rejection.py", "tests/test_engine.py", "tests/test_accept.py",
-         "tests/test_tinyqwen35.py", "tests/test_hybrid.py", "tests/test_mtp.py"]
+         "tests/test_tinyqwen35.py", "tests/test_hybrid.py", "tests/test_swa.py", "tests/test_mtp.py"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,13 @@ MUTANTS = [
                                       "(llama.cpp's seq_rm then reports success with a wrong state)",
            (("native/engine.py", "return 0 < held - n <= self.ctx.n_rs_seq and n >= self.ctx.last_decode_pos0",
              "return 0 < held - n <= self.ctx.n_rs_seq"),)),
+    Mutant("swa-trust-seq-rm", "a sliding-window cache rolled back with seq_rm even where it no longer holds the "
+                               "window of the first kept position (llama.cpp reports success)",
+           (("native/_ffi.py", "return self.n_swa == 0 or self.pos_min() <= max(0, n - self.n_swa)",
+             "return True"),)),
+    Mutant("swa-full", "llama.cpp's full-size sliding-window cache: the window never slides, the tests' "
+                       "rollbacks from a slid window never happen",
+           (("native/_ffi.py", "params.swa_full = bool(swa_full)", "params.swa_full = True"),)),
     Mutant("ignore-eog", "end of generation ignored",
            (("native/engine.py", "if is_eog:\n                        done = \"eog\"", "if False:\n                        done = \"eog\""),)),
     Mutant("draft-min-ignored", "--draft-min never drops a short draft",

@@ -54,6 +54,8 @@ def main(
     draft_revision: Annotated[Optional[str], typer.Option(help="Hub revision of the draft.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files.")] = False,
     keep_intermediate: Annotated[bool, typer.Option("--keep-intermediate", help="Keep the F16/BF16 file used for quantizing.")] = False,
+    no_mtp: Annotated[bool, typer.Option("--no-mtp", help="Qwen3.5/3.6 targets: drop the multi-token-prediction "
+                                                          "blocks (kept by default).")] = False,
     verbose: Verbose = False,
     quiet: Quiet = False,
 ) -> None:
@@ -81,7 +83,8 @@ def main(
              "smaller model of the same family as --draft, or omit --draft", quiet)
     kwargs = dict(draft=draft, outtype=outtype, quant=quant if quant is not None else "Q4_K_M",
                   draft_quant=draft_quant if draft_quant is not None else "Q8_0", revision=revision,
-                  draft_revision=draft_revision, force=force, keep_intermediate=keep_intermediate, settings=settings)
+                  draft_revision=draft_revision, force=force, keep_intermediate=keep_intermediate, settings=settings,
+                  mtp=not no_mtp)
     if quiet:
         result = convert_pair(target, out_dir, **kwargs)
     else:
@@ -94,4 +97,7 @@ def main(
         out.print(f"draft:  {result.draft_path}")
     for p in result.intermediates:
         out.print(f"kept:   {p}")
+    if result.mtp_layers:
+        out.print(f"mtp:    {result.mtp_layers} block(s), {result.mtp_bytes / 1e6:.1f} MB in the target "
+                  "(--no-mtp drops them)")
     out.print(f"pair:   {result.manifest_path}")

@@ -13,13 +13,14 @@ import gguf
 import numpy as np
 
 from ..errors import ConversionError
-from . import gemma3
+from . import gemma3, qwen35
 from .source import read_json
 
 SUPPORTED = {
     "LlamaForCausalLM": gguf.MODEL_ARCH.LLAMA,
     "Qwen2ForCausalLM": gguf.MODEL_ARCH.QWEN2,
     "Qwen3ForCausalLM": gguf.MODEL_ARCH.QWEN3,
+    **qwen35.HF_ARCHS,
     **{name: gemma3.GEMMA3 for name in gemma3.HF_ARCHS},
 }
 # HF tensors that carry no weights llama.cpp needs.
@@ -46,6 +47,7 @@ class ArchSpec:
     torch_dtype: str | None
     rope_scaling: dict = field(default_factory=dict)
     explicit_head_dim: bool = False
+    qwen35: qwen35.Qwen35Params | None = None  # qwen35 only
     gemma: gemma3.Gemma3Params | None = None  # gemma3 only
 
     @property
@@ -69,6 +71,8 @@ def read_config(path: Path, where: str) -> ArchSpec:
         # We never import model code; a custom architecture would silently convert wrong.
         raise ConversionError(f"checkpoint declares custom model code (auto_map in {where}); specq never runs "
                               "remote code and converts only the standard architectures")
+    if SUPPORTED[hf_arch] in qwen35.ARCHS:
+        cfg = qwen35.text_config(cfg)
     if SUPPORTED[hf_arch] == gemma3.GEMMA3:
         cfg = gemma3.text_config(cfg)
     try:
@@ -100,6 +104,14 @@ def read_config(path: Path, where: str) -> ArchSpec:
     if spec.n_head % spec.n_head_kv:
         raise ConversionError(f"num_attention_heads {spec.n_head} is not a multiple of num_key_value_heads "
                               f"{spec.n_head_kv} ({where}); the config is inconsistent")
+    if spec.arch in qwen35.ARCHS:
+        try:
+            rs = {k: v for k, v in spec.rope_scaling.items() if v != "mrope"}  # text positions: plain RoPE
+            p = qwen35.read_params(cfg, spec.head_dim, where, moe=spec.arch == qwen35.QWEN35MOE)
+            spec = replace(spec, qwen35=p, rope_scaling=rs)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConversionError(f"config.json lacks or mangles a Qwen3.5 field ({where}: {e}); "
+                                  "the checkpoint is incomplete")
     if spec.arch == gemma3.GEMMA3:
         try:
             p = gemma3.read_params(cfg, where)
@@ -137,6 +149,8 @@ def write_hparams(w: gguf.GGUFWriter, s: ArchSpec) -> None:
     elif rope_type not in ("", "default", "llama3"):
         raise ConversionError(f"unsupported RoPE scaling {rope_type!r} in {s.hf_arch}; specq handles linear, "
                               "yarn and llama3")
+    if s.qwen35 is not None:
+        qwen35.write_hparams(w, s.qwen35)
     if s.gemma is not None:
         gemma3.write_hparams(w, s.gemma)
 

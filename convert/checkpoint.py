@@ -130,6 +130,22 @@ class MappedFiles:
             yield chunk
             r += n
 
+    def row_runs(self, ref: TensorRef, runs: list[tuple[int, int]],
+                 chunk_bytes: int = CHUNK_BYTES) -> Iterator[np.ndarray]:
+        """Yield rows [a, b) of each run in turn, at most a chunk at a time (a row reordering, streamed)."""
+        m = self._map(ref.file)
+        dt = DTYPES[ref.dtype]
+        row_bytes = ref.row_elems * dt.itemsize
+        step = max(1, chunk_bytes // max(row_bytes, 1))
+        for a, b in runs:
+            for r in range(a, b, step):
+                n = min(step, b - r)
+                lo = ref.start + r * row_bytes
+                chunk = np.frombuffer(m, dtype=dt, count=n * ref.row_elems, offset=lo).reshape((n,) + ref.shape[1:])
+                yield chunk.copy()
+                _drop(m, lo, lo + n * row_bytes)
+        _drop(m, ref.start, ref.end)  # pages the kernel mapped around the runs (fault-around) go too
+
     def close(self) -> None:
         for f, m in self._maps.values():
             m.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 
 from ..errors import ConversionError, UsageError
-from . import align, manifest
+from . import align, manifest, qwen35
 from .arch import write_hparams
 from .tensor_jobs import Checkpoint, build_jobs, estimate_bytes, inspect, n_weights
 from .quantize import BITS_PER_WEIGHT, parse_quant, quantize_file
@@ -30,6 +30,8 @@ class ConvertResult:
     target_path: Path
     draft_path: Path | None
     intermediates: tuple[Path, ...]
+    mtp_layers: int = 0  # qwen35: MTP blocks kept in the target
+    mtp_bytes: int = 0  # their size in the target file
 
 
 @dataclass
@@ -103,9 +105,22 @@ def _write_model(o: _Output, threads: int, progress: ProgressFn | None, created:
                       task=f"quantize {o.role} {o.quant}")
 
 
+def _mtp_bytes(o: _Output) -> int:
+    """Bytes the MTP blocks take in the written file (read from its tensor table)."""
+    p = o.ck.spec.qwen35
+    if p is None or not p.n_mtp:
+        return 0
+    r = gguf.GGUFReader(o.final)
+    names = set(qwen35.mtp_names(p, [t.name for t in r.tensors]))
+    return sum(int(t.n_bytes) for t in r.tensors if t.name in names)
+
+
 def _manifest_entry(o: _Output) -> dict:
     src = o.ck.source
-    return {"file": o.final.name, "sha256": manifest.sha256_file(o.final), "source": src.ref,
+    mtp = {}
+    if o.ck.spec.qwen35 is not None:
+        mtp = {"mtp_layers": o.ck.spec.qwen35.n_mtp, "mtp_bytes": _mtp_bytes(o)}
+    return {**mtp, "file": o.final.name, "sha256": manifest.sha256_file(o.final), "source": src.ref,
             "revision": src.revision, "source_kind": src.kind, "architecture": o.ck.spec.arch_name,
             "hf_architecture": o.ck.spec.hf_arch, "quant": o.quant_label, "outtype": o.outtype,
             "n_vocab": o.vocab.n_rows, "n_real_vocab": o.vocab.n_real}
@@ -115,12 +130,14 @@ def convert_pair(target: str, out_dir: str | Path, *, draft: str | None = None, 
                  quant: str | None = "Q4_K_M", draft_quant: str | None = "Q8_0", revision: str | None = None,
                  draft_revision: str | None = None, force: bool = False, keep_intermediate: bool = False,
                  threads: int = 0, progress: ProgressFn | None = None,
-                 settings: dict | None = None) -> ConvertResult:
+                 settings: dict | None = None, mtp: bool = True) -> ConvertResult:
     """Convert TARGET (and DRAFT) to GGUF in out_dir, quantize, align the draft and write the manifest.
 
     target/draft: a local checkpoint folder or a Hub repo id. quant/draft_quant: a type name or
     None/"none" for the unquantized file. outtype: f16/bf16/f32, default the source dtype.
     settings: suggested settings (a preset's) written into the manifest over the computed ones.
+    mtp: keep a qwen35 target's multi-token-prediction blocks (a draft never carries them: specq drafts
+    with the draft model, and llama.cpp skips MTP tensors unless asked to load them).
     Nothing is left behind on failure: files this call created are removed.
     """
     ot = _parse_outtype(outtype)
@@ -131,10 +148,10 @@ def convert_pair(target: str, out_dir: str | Path, *, draft: str | None = None, 
         raise UsageError(f"--out is not a directory ({out}); pass a folder")
 
     # Everything that can be refused is checked before the first byte is written.
-    t_ck = inspect(resolve(target, revision))
+    t_ck = inspect(resolve(target, revision), mtp=mtp)
     outs = [_plan_output("target", t_ck, out, ot, q_t)]
     if draft is not None:
-        d_ck = inspect(resolve(draft, draft_revision))
+        d_ck = inspect(resolve(draft, draft_revision), mtp=False)
         align.check_same_vocabulary(t_ck.vocab, d_ck.vocab)
         if d_ck.n_rows != t_ck.n_rows:
             log.info("draft rows %d -> target rows %d", d_ck.n_rows, t_ck.n_rows)
@@ -172,4 +189,5 @@ def convert_pair(target: str, out_dir: str | Path, *, draft: str | None = None, 
                 p.unlink()
         raise
     inter = tuple(o.intermediate for o in outs if o.quant and keep_intermediate)
-    return ConvertResult(out, mpath, outs[0].final, outs[1].final if len(outs) > 1 else None, inter)
+    return ConvertResult(out, mpath, outs[0].final, outs[1].final if len(outs) > 1 else None, inter,
+                         t_entry.get("mtp_layers", 0), t_entry.get("mtp_bytes", 0))

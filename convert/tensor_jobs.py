@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 
 from ..errors import ConversionError
-from . import align, gemma3
+from . import align, gemma3, qwen35
 from ..native.gguf_check import architecture_tensors
 from .arch import ArchSpec, NameMap, read_config, rope_freqs
 from .checkpoint import DTYPES, MappedFiles, TensorRef, read_checkpoint
@@ -47,25 +47,31 @@ class Checkpoint:
         return source_outtype(self.dtype)
 
 
-def inspect(src: Source) -> Checkpoint:
-    """Read config, tensor headers and tokenizer; map every tensor name (nothing is loaded)."""
+def inspect(src: Source, mtp: bool = True) -> Checkpoint:
+    """Read config, tensor headers and tokenizer; map every tensor name (nothing is loaded).
+
+    mtp: keep a qwen35 checkpoint's multi-token-prediction blocks."""
     spec = read_config(src.path, src.ref)
-    names = NameMap(spec)
     tensors: dict[str, TensorRef] = {}
-    for hf_name, ref in read_checkpoint(weight_files(src)).items():
-        g = names.gguf_name(hf_name)
-        if g is not None:
-            tensors[g] = ref
+    if spec.qwen35 is not None:
+        spec, tensors = qwen35.map_tensors(spec, read_checkpoint(weight_files(src)), src.ref, keep_mtp=mtp)
+    else:
+        names = NameMap(spec)
+        for hf_name, ref in read_checkpoint(weight_files(src)).items():
+            g = names.gguf_name(hf_name)
+            if g is not None:
+                tensors[g] = ref
     if EMBED not in tensors:
         raise ConversionError(f"checkpoint has no token embedding (model.embed_tokens.weight in {src.ref}); "
                               "it is incomplete")
     if OUTPUT not in tensors and not spec.tied:
         raise ConversionError(f"checkpoint has no lm_head.weight and does not tie embeddings ({src.ref}); "
                               "it is incomplete")
-    missing = [f"blk.{i}" for i in range(spec.n_layer) if f"blk.{i}.attn_q.weight" not in tensors]
+    missing = [f"blk.{i}" for i in range(spec.n_layer) if f"blk.{i}.attn_norm.weight" not in tensors]
     if missing:
         raise ConversionError(f"checkpoint lacks layers {', '.join(missing[:4])} ({src.ref}); a shard is missing")
-    check_shapes(spec, tensors, src.ref)
+    if spec.qwen35 is None:
+        check_shapes(spec, tensors, src.ref)
     rows = tensors[EMBED].shape[0]
     return Checkpoint(src, spec, tensors, load_vocab(src.path, rows, src.ref))
 
@@ -132,6 +138,8 @@ def build_jobs(ck: Checkpoint, outtype: str, rows_out: int | None = None, n_real
     for name in sorted(ck.tensors, key=_order):
         ref = ck.tensors[name]
         job = TensorJob(name, f32 if len(ref.shape) <= 1 else out_t, ref.shape, ref)
+        if spec.qwen35 is not None:
+            qwen35.adjust_job(job, spec.qwen35)
         if spec.gemma is not None and gemma3.is_norm(name):
             job = TensorJob(name, f32, ref.shape, data=gemma3.norm_plus_one(_read_vector(ref)))
         if spec.permute_qk and (_Q.match(name) or _K.match(name)):

@@ -77,6 +77,7 @@ class TensorJob:
     row_block: int = 1
     transform: Callable[[np.ndarray], np.ndarray] | None = None  # row-local op on raw-bit chunks
     finish: Callable[[], np.ndarray | None] | None = None  # rows appended after the last chunk (raw bits)
+    row_runs: list[tuple[int, int]] | None = None  # source row ranges in output order (a row reordering)
 
     @property
     def nbytes(self) -> int:
@@ -97,7 +98,9 @@ class _Stream:
             return
         rows_out = job.shape[0] if len(job.shape) > 1 else None
         done = 0
-        for raw in self.maps.rows(job.ref, job.row_block):
+        source = (self.maps.rows(job.ref, job.row_block) if job.row_runs is None
+                  else self.maps.row_runs(job.ref, job.row_runs))
+        for raw in source:
             if job.transform is not None:
                 raw = job.transform(raw)
             if rows_out is not None:

@@ -357,10 +357,13 @@ class Context(_Handle):
     """A llama.cpp context (the KV cache / recurrent state of one sequence) over a Model."""
 
     def __init__(self, model: Model, n_ctx: int, n_threads: int, n_batch: int = 512,
-                 n_outputs_max: int = 0, name: str = "model", n_rs_seq: int = 0, flash_attn: str = "auto"):
+                 n_outputs_max: int = 0, name: str = "model", n_rs_seq: int = 0, flash_attn: str = "auto",
+                 swa_full: bool = False):
         """`n_rs_seq`: recurrent-state snapshots kept for rolling back the tail of the last decode without a
         checkpoint (llama.cpp's experimental n_rs_seq; 0 where the architecture does not support it).
-        `flash_attn`: "on", "off" or "auto" (llama.cpp's choice: on where the device supports it)."""
+        `flash_attn`: "on", "off" or "auto" (llama.cpp's choice: on where the device supports it).
+        `swa_full`: give sliding-window layers a full-size cache (llama.cpp's default) instead of one that keeps
+        about window + n_ubatch positions; specq keeps the small one and checks each rollback (`window_intact`)."""
         self.model = model
         self.name = name
         params = C.llama_context_default_params()
@@ -374,6 +377,7 @@ class Context(_Handle):
         params.n_outputs_max_per_seq = 0  # only limits backend sampling, which specq does not use
         params.n_rs_seq = int(n_rs_seq)
         params.flash_attn_type = FLASH_ATTN[flash_attn]
+        params.swa_full = bool(swa_full)
         params.no_perf = True
         with call_clock(f"creating the {name} context"):
             handle = C.llama_init_from_model(model.handle, params)
@@ -399,6 +403,8 @@ class Context(_Handle):
         self.n_decode_calls = 0
         self.n_rs_seq = int(C.llama_n_rs_seq(handle))  # what llama.cpp granted (clamped to 0 if unsupported)
         self.last_decode_pos0 = 0  # first position of the last llama_decode: rollback snapshots cover only it
+        # sliding-window layers that may have dropped old positions: the window (0: none, or a full-size cache)
+        self.n_swa = 0 if swa_full else int(C.llama_model_n_swa(model.handle))
         self.on_decode = None  # called as on_decode(name, n_tokens, pos0) after each llama_decode (simulated clocks)
         self.on_hidden = None  # with output_hidden(): called as on_hidden(pos0, rows) after each llama_decode
 
@@ -498,6 +504,17 @@ class Context(_Handle):
 
     def pos_max(self) -> int:
         return int(C.llama_memory_seq_pos_max(self._mem, 0))
+
+    def pos_min(self) -> int:
+        """The oldest position the memory still holds (-1 when empty); > 0 once a sliding window has slid."""
+        return int(C.llama_memory_seq_pos_min(self._mem, 0))
+
+    def window_intact(self, n: int) -> bool:
+        """Whether the memory still holds every position a token at position n attends to, so that keeping
+        positions < n and decoding from n is exact. A sliding-window cache reuses the cells of positions that
+        left the window; llama.cpp's seq_rm reports success even when the cells n needs are gone (llama-server
+        makes the same check, pos_min against pos - n_swa, before reusing a cached prompt)."""
+        return self.n_swa == 0 or self.pos_min() <= max(0, n - self.n_swa)
 
     def clear(self) -> None:
         C.llama_memory_clear(self._mem, True)

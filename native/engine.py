@@ -199,8 +199,8 @@ class _Cache:
     offset: int = 0  # a draft's window: how many of the history's first tokens its memory leaves out
     checkpoint: tuple[int, bytes] | None = None  # (n_tokens, state) for memories without partial removal
     partial_rm: bool = True
-    n_restores: int = 0
-    n_rollbacks: int = 0  # recurrent/hybrid tails removed through llama.cpp's n_rs_seq snapshots
+    n_restores: int = 0  # checkpoint restores; on a sliding-window memory, re-evaluations (cells gone)
+    n_rollbacks: int = 0  # tails removed through n_rs_seq snapshots, or from a sliding window that has slid
 
     def _can_roll_back(self, n: int, held: int) -> bool:
         """Whether seq_rm may drop positions n.. of a recurrent memory: the snapshots cover only the tail of the
@@ -219,8 +219,18 @@ class _Cache:
         n = min(n, len(self.tokens))
         if held <= n:
             return
+        if self.partial_rm and not self.ctx.window_intact(n):
+            # A sliding-window cache already reused the cells that position n attends to: evaluate again.
+            keep = self.tokens[:n]
+            self.ctx.clear()  # (the draft window's offset stays: the same tokens at the same positions)
+            self.tokens.clear()
+            self.n_restores += 1
+            self.extend(keep, logits="none")
+            return
         if self.partial_rm and self.ctx.seq_rm(n, -1):
             del self.tokens[n:]
+            if self.ctx.n_swa and self.ctx.pos_min() > 0:  # the window had slid: count what relied on it
+                self.n_rollbacks += 1
             return
         if not self.partial_rm and self._can_roll_back(n, held) and self.ctx.seq_rm(n, -1):
             del self.tokens[n:]

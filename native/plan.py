@@ -8,6 +8,10 @@ from the attention shape and the cache type, and the compute buffer from a docum
             + 4 B · n_ubatch · n_head · n_ctx            only with flash attention off (the KQ scores)
 
 This is above what llama.cpp reports for Qwen2.5 0.5B-32B at n_ubatch 512 with flash attention (~300 MiB).
+Sliding-window layers (Gemma 3's local layers) hold pad256(min(n_ctx, window + n_ubatch)) positions, not n_ctx:
+specq creates its contexts with llama.cpp's small SWA cache (swa_full off; native/_ffi.py Context).
+Hybrid (qwen35) layers with linear attention hold a fixed F32 recurrent state instead of a KV cache; a target
+whose architecture allows it keeps 1 + ROLLBACK_SNAPSHOTS copies of it (llama.cpp's n_rs_seq, native/engine.py).
 Placement follows llama.cpp: `n_gpu_layers = k` puts the output layer and the last k-1 blocks on the GPU
 (k = n_layer + 1 is everything); the token embeddings always stay on the CPU; each block's KV cache lives
 with the block. The draft is placed fully first, then as many target layers as fit; several devices are
@@ -31,6 +35,12 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_CTX = 4096  # specq's --ctx default; the floor of the automatic context search
 CTX_PAD = 256  # llama.cpp rounds n_ctx up to a multiple of 256
 N_UBATCH = 512  # specq's contexts use n_batch = n_ubatch = 512
+# llama.cpp's sliding-window layer pattern where the file gives none (llama_model_*::load_arch_hparams):
+# every n-th layer is global, the others local
+SWA_PATTERN_DEFAULT = {"gemma3": 6}
+# Linear-attention hybrids read here: architecture → whether llama.cpp can roll their state back (n_rs_seq)
+RECURRENT_HYBRIDS = {"qwen35": True, "qwen35moe": True, "qwen3next": False}
+ROLLBACK_SNAPSHOTS = 16  # the engine's n_rs_seq on a target (rollback_tokens = AUTO_DRAFT_CAP)
 # Per device, for an absolute budget (a card's size): CUDA context, cuBLAS workspace, allocator slack.
 # The same margin llama.cpp's own `--fit` keeps by default. A fraction of *free* memory is its own margin.
 RESERVE_BYTES = 1 * GiB
@@ -95,6 +105,25 @@ class ModelShape:
     output_bytes: int  # the output layer: output.weight (or the tied token_embd copy), output_norm, others
     input_bytes: int  # token_embd: always on the CPU
     tied_embeddings: bool = False  # no output.weight: output_bytes includes a second copy of token_embd
+    swa_window: int = 0  # sliding window of the local layers (0: none)
+    swa_layers: tuple[bool, ...] = ()  # per block: a local (sliding-window) layer
+    state_bytes: tuple[int, ...] = ()  # per block: one copy of its recurrent state (linear-attention layers)
+    rs_rollback: bool = False  # llama.cpp keeps n_rs_seq snapshots of that state for this architecture
+
+    def state_copies(self, which: str) -> int:
+        """Copies of the recurrent state a context holds: the target's keeps the rollback snapshots."""
+        return 1 + (ROLLBACK_SNAPSHOTS if which == "target" and self.rs_rollback else 0)
+
+    def layer_memory(self, layer: int, ctx_pad: int, cache_type: str, which: str) -> int:
+        """The layer's KV cache and recurrent state, in bytes."""
+        state = self.state_bytes[layer] * self.state_copies(which) if self.state_bytes else 0
+        return self.kv_per_token(layer, cache_type) * self.kv_cells(layer, ctx_pad) + state
+
+    def kv_cells(self, layer: int, ctx_pad: int, n_ubatch: int = N_UBATCH) -> int:
+        """Positions the layer's KV cache holds: n_ctx, or about window + n_ubatch for a local layer."""
+        if self.swa_window and self.swa_layers[layer]:
+            return min(ctx_pad, -(-(self.swa_window + n_ubatch) // CTX_PAD) * CTX_PAD)
+        return ctx_pad
 
     @property
     def weights_bytes(self) -> int:
@@ -168,11 +197,46 @@ def model_shape(path: str, header: GGUFHeader | None = None) -> ModelShape:
     if n_vocab is None:
         tokens = h.metadata.get("tokenizer.ggml.tokens")
         n_vocab = getattr(tokens, "length", None) or (len(tokens) if isinstance(tokens, list) else 0)
+    n_swa, swa = _swa_layers(h, n_layer, path)
+    state = _recurrent_state(h, n_layer)
+    if state:  # linear-attention layers keep no KV cache
+        kv_l = [0 if b else kv for kv, b in zip(kv_l, state)]
     return ModelShape(
         path=str(path), arch=h.arch, n_layer=n_layer, n_ctx_train=int(h.arch_key("context_length", DEFAULT_CTX)),
         n_embd=n_embd, n_head=n_head, n_ff=n_ff, n_vocab=int(n_vocab),
         kv_elems=tuple((kv * k_len, kv * v_len) for kv in kv_l),
-        layer_bytes=tuple(layer_bytes), output_bytes=output, input_bytes=inp, tied_embeddings=not has_output)
+        layer_bytes=tuple(layer_bytes), output_bytes=output, input_bytes=inp, tied_embeddings=not has_output,
+        swa_window=n_swa, swa_layers=swa, state_bytes=state, rs_rollback=RECURRENT_HYBRIDS.get(h.arch, False))
+
+
+def _recurrent_state(h: GGUFHeader, n_layer: int) -> tuple[int, ...]:
+    """Bytes of one copy of each block's recurrent state (0 for attention blocks), as llama.cpp sizes it:
+    F32, conv window (d_conv − 1)·(d_inner + 2·n_group·d_state) plus the state d_state·d_inner; () where the
+    architecture is not a linear-attention hybrid read here."""
+    if h.arch not in RECURRENT_HYBRIDS:
+        return ()
+    conv, inner, d_state, groups = (int(h.arch_key(f"ssm.{k}", 0) or 0)
+                                    for k in ("conv_kernel", "inner_size", "state_size", "group_count"))
+    per_layer = 4 * (max(conv - 1, 0) * (inner + 2 * groups * d_state) + d_state * inner)
+    interval = int(h.arch_key("full_attention_interval", 4) or 4)
+    n_trunk = n_layer - int(h.arch_key("nextn_predict_layers", 0) or 0)  # MTP blocks are attention blocks
+    return tuple(per_layer if il < n_trunk and (il + 1) % interval else 0 for il in range(n_layer))
+
+
+def _swa_layers(h: GGUFHeader, n_layer: int, path: str) -> tuple[int, tuple[bool, ...]]:
+    """(window, which blocks are local) as llama.cpp reads them; (0, ()) where the model has no sliding window
+    or its pattern is unknown here (every layer is then counted at full size)."""
+    n_swa = int(h.arch_key("attention.sliding_window", 0) or 0)
+    pattern = h.arch_key("attention.sliding_window_pattern", SWA_PATTERN_DEFAULT.get(h.arch))
+    if n_swa <= 0 or pattern is None:
+        return 0, ()
+    if isinstance(pattern, list):
+        if len(pattern) < n_layer:
+            raise ModelFileError(f"sliding_window_pattern has {len(pattern)} entries for {n_layer} layers ({path}); "
+                                 "the file is corrupt")
+        return n_swa, tuple(bool(x) for x in pattern[:n_layer])
+    p = int(pattern)
+    return n_swa, tuple(p == 0 or il % p < p - 1 for il in range(n_layer))
 
 
 # ---- placement -------------------------------------------------------------------------------
@@ -197,11 +261,12 @@ class _Fill:
                      {k: dict(v) for k, v in self.parts.items()})
 
 
-def _items(shape: ModelShape, ngl: int, ctx_pad: int, cache_type: str) -> list[tuple[int, int, bool]]:
+def _items(shape: ModelShape, ngl: int, ctx_pad: int, cache_type: str,
+           which: str) -> list[tuple[int, int, bool]]:
     """(weights, kv) of each offloaded layer in llama.cpp's device order; the bool marks the output layer."""
     ngl = max(0, min(ngl, shape.n_layer + 1))
     start = shape.n_layer + 1 - ngl
-    items = [(shape.layer_bytes[il], shape.kv_per_token(il, cache_type) * ctx_pad, False)
+    items = [(shape.layer_bytes[il], shape.layer_memory(il, ctx_pad, cache_type, which), False)
              for il in range(start, shape.n_layer)]
     if ngl >= 1:
         items.append((shape.output_bytes, 0, True))
@@ -218,7 +283,7 @@ def _place(fill: _Fill, devices: Sequence[Device], which: str, shape: ModelShape
     charged: set[int] = set()
     d = 0
     local_only = which == "draft"
-    for weights, kv, is_output in _items(shape, ngl, ctx_pad, cache_type):
+    for weights, kv, is_output in _items(shape, ngl, ctx_pad, cache_type, which):
         while True:
             while local_only and d < len(devices) and devices[d].endpoint:
                 d += 1
@@ -291,6 +356,8 @@ class Plan:
             "weights_bytes": parts.get("weights_bytes", 0), "kv_bytes": parts.get("kv_bytes", 0),
             "compute_bytes": parts.get("compute_bytes", 0), "model_bytes": shape.weights_bytes,
             "kv_bytes_per_token": sum(shape.kv_per_token(i, self.cache_type) for i in range(shape.n_layer)),
+            # included in kv_bytes (for the offloaded layers): hybrid layers' recurrent state, all copies
+            "recurrent_bytes": sum(shape.state_bytes) * shape.state_copies(which),
             "n_ctx_train": shape.n_ctx_train,
         }
 
@@ -318,7 +385,7 @@ class Plan:
 def _draft_refusal(devices, draft: ModelShape, ctx: int, cache_type: str, flash_attn: bool) -> str:
     ctx_pad = -(-ctx // CTX_PAD) * CTX_PAD
     w = sum(draft.layer_bytes) + draft.output_bytes
-    kv = sum(draft.kv_per_token(i, cache_type) for i in range(draft.n_layer)) * ctx_pad
+    kv = sum(draft.layer_memory(i, ctx_pad, cache_type, "draft") for i in range(draft.n_layer))
     comp = draft.compute_bytes(ctx_pad, True, flash_attn)
     reserve = sum(d.reserve_bytes for d in devices)
     budget = sum(d.budget_bytes for d in devices)

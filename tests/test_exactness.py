@@ -8,7 +8,7 @@ import pytest
 
 import tinymodels
 from specq.native import _ffi
-from specq.native.engine import Engine, GenerationSettings
+from specq.native.engine import Engine, GenerationSettings, SimulatedClock
 from stats import chi2_pvalue
 from test_hybrid import write_tiny_mamba
 from tinymodels import TinySpec, write_tiny_gguf
@@ -138,11 +138,11 @@ def monkeypatch_module():
     mp.undo()
 
 
-def target_law(path, tokens: list[int], depth: int, top_k: int = 0) -> dict:
+def target_law(path, tokens: list[int], depth: int, top_k: int = 0, ctx: int = 128) -> dict:
     """The target's own sampling law of the next `depth` tokens (temp 1, optional top-k), computed with numpy on
     its logits: a reference that shares nothing with the engine's sampling or acceptance code."""
     law = {}
-    with _ffi.Model(path) as m, _ffi.Context(m, 128, 1) as c:
+    with _ffi.Model(path) as m, _ffi.Context(m, ctx, 1) as c:
         def probs(prefix):
             c.clear()
             c.decode(prefix, 0)
@@ -266,7 +266,10 @@ def test_accepted_per_position_counts_steps_reaching_each_position(tiny_target, 
 # ---- 7. greedy identity beyond draft-max 8, at a filling context, and when n_predict ends inside a step -----
 @pytest.mark.parametrize("draft_max", [16, "auto"])
 def test_greedy_identity_long_drafts_and_auto(tiny_target, tiny_close, draft_max):
-    with Engine(tiny_target, tiny_close, ctx=512, threads=1) as e:
+    # tiny_close costs what the target does, so with real timings auto may rightly never draft: a simulated
+    # clock prices the draft at a tenth of the target, so that auto drafts whatever the machine's load.
+    clock = SimulatedClock(lambda name, n, pos0: (0.001 if name == "draft" else 0.010 + 0.001 * n))
+    with Engine(tiny_target, tiny_close, ctx=512, threads=1, clock=clock if draft_max == "auto" else None) as e:
         for prompt in (PROMPT, "The quick brown fox"):
             toks = e.tokenize(prompt)
             base = e.session().generate(toks, GenerationSettings(n_predict=96), speculative=False).run()

@@ -36,7 +36,7 @@ def raw(name: str) -> dict:
 def test_the_initial_set_is_packaged():
     names = {p.name for p in presets.load_presets().values()}
     assert names == {"qwen2.5-7b", "qwen2.5-32b", "qwen2.5-coder-32b", "qwen3-8b", "qwen3-32b", "llama3.1-8b",
-                     "smollm2-1.7b", "gemma3-27b-1b", "gemma3-27b-270m"}
+                     "smollm2-1.7b", "gemma3-27b-1b", "gemma3-27b-270m", "qwen3.6-27b"}
     assert len(PRESET_FILES) == len(names)
 
 
@@ -60,6 +60,13 @@ def test_each_file_parses_against_the_schema(path):
         assert p.context_length_two_cards > p.context_length and p.vram_gib < p.vram_gib_two_cards <= 48
     if p.target.endswith("-27b-it") or p.target.endswith("-27B"):  # the headline size states both layouts
         assert p.vram_gib <= 24 and p.context_length_two_cards is not None
+
+
+def test_qwen36_preset():
+    p = presets.get_preset("qwen3.6-27b")
+    assert p.architecture == "Qwen3_5ForConditionalGeneration" and p.target_quant == "Q4_K_M"
+    assert p.vram_gib <= 24 < p.vram_gib_two_cards <= 48 and p.context_length_two_cards > p.context_length
+    assert p.vocab_verified == "no"  # not compared here: the comment in the file says why
 
 
 def test_names_unique_and_match_files():

@@ -360,3 +360,114 @@ def write_tiny_qwen35(path: str | Path, seed: int = 0, n_layer: int = 4, noise_f
     wr.write_tensors_to_file()
     wr.close()
     return path
+
+
+# -- tiny sliding-window Gemma 3 (llama.cpp architecture "gemma3") ----------------------------------------
+
+
+@dataclass(frozen=True)
+class TinyGemma3Spec:
+    """Shapes of a tiny Gemma 3: local (sliding-window) layers with a global one every `swa_pattern` layers,
+    as llama.cpp's gemma3 loader lays them out (pattern 6: layers 5, 11, ... are global)."""
+    n_layer: int = 6
+    n_embd: int = 64
+    n_ff: int = 128
+    n_ctx: int = 2048
+    n_merges: int = 200
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 16
+    sliding_window: int = 8
+    swa_pattern: int = 6
+    rope_base: float = 1_000_000.0      # global layers
+    rope_base_swa: float = 10_000.0     # local layers
+    final_logit_softcapping: float = 0.0  # Gemma 3 has none; llama.cpp applies one only if the key is > 0
+
+
+def gemma3_weights(spec: TinyGemma3Spec, n_vocab: int, seed: int) -> dict[str, np.ndarray]:
+    """Random Gemma 3 weights in GGUF layout (numpy shape = reversed ggml shape)."""
+    rng = np.random.default_rng(seed)
+    d, ff, hd = spec.n_embd, spec.n_ff, spec.head_dim
+
+    def mat(rows, cols, scale=None):
+        return (rng.standard_normal((rows, cols)) * (1 / np.sqrt(cols) if scale is None else scale)).astype(np.float32)
+
+    def norm(n):
+        # Gemma stores RMSNorm weights as offsets from 1; the converter adds the 1
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    # llama.cpp scales the embedding by sqrt(n_embd) on input; a separate output matrix (Gemma 3 ties them,
+    # llama.cpp allows both) keeps a random model's greedy output from collapsing onto a few tokens
+    w = {"token_embd.weight": mat(n_vocab, d, 1.0 / np.sqrt(d)), "output_norm.weight": norm(d),
+         "output.weight": mat(n_vocab, d, 2.0 / np.sqrt(d))}
+    for il in range(spec.n_layer):
+        b = f"blk.{il}."
+        w.update({
+            b + "attn_norm.weight": norm(d),
+            b + "attn_q.weight": mat(spec.n_head * hd, d),
+            b + "attn_k.weight": mat(spec.n_head_kv * hd, d),
+            b + "attn_v.weight": mat(spec.n_head_kv * hd, d),
+            b + "attn_output.weight": mat(d, spec.n_head * hd),
+            b + "attn_q_norm.weight": norm(hd),
+            b + "attn_k_norm.weight": norm(hd),
+            b + "post_attention_norm.weight": norm(d),
+            b + "ffn_norm.weight": norm(d),
+            b + "ffn_gate.weight": mat(ff, d),
+            b + "ffn_up.weight": mat(ff, d),
+            b + "ffn_down.weight": mat(d, ff),
+            b + "post_ffw_norm.weight": norm(d),
+        })
+    return w
+
+
+def write_tiny_gemma3(path: str | Path, seed: int = 0, noise_from: tuple[int, float] | None = None,
+                      spec: TinyGemma3Spec = TinyGemma3Spec(), eos_id: int = 0) -> Path:
+    """Write a tiny sliding-window Gemma 3 GGUF (llama.cpp arch `gemma3`, F32) with the tiny models' vocabulary.
+
+    llama.cpp gives it an iSWA cache: a full-size KV cache for the global layers and a small one for the
+    local layers, whose cells are reused once their positions leave the window. noise_from=(base_seed, scale):
+    model `base_seed`'s weights plus scale × fresh noise (seeded by `seed`), a draft that often agrees."""
+    path = Path(path)
+    tokens, merges = vocab(spec.n_merges)
+    n_vocab = len(tokens)
+    w = gemma3_weights(spec, n_vocab, noise_from[0] if noise_from else seed)
+    if noise_from is not None:
+        noise = gemma3_weights(spec, n_vocab, seed)
+        w = {k: (v + noise_from[1] * noise[k] if v.ndim == 2 else v) for k, v in w.items()}
+
+    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GEMMA3]
+    wr = gguf.GGUFWriter(str(path), arch)
+    wr.add_name(f"specq-tiny-gemma3-{seed}")
+    wr.add_context_length(spec.n_ctx)
+    wr.add_embedding_length(spec.n_embd)
+    wr.add_block_count(spec.n_layer)
+    wr.add_feed_forward_length(spec.n_ff)
+    wr.add_head_count(spec.n_head)
+    wr.add_head_count_kv(spec.n_head_kv)
+    wr.add_key_length(spec.head_dim)
+    wr.add_value_length(spec.head_dim)
+    wr.add_layer_norm_rms_eps(1e-6)
+    wr.add_rope_freq_base(spec.rope_base)
+    wr.add_rope_freq_base_swa(spec.rope_base_swa)
+    wr.add_sliding_window(spec.sliding_window)
+    wr.add_sliding_window_pattern(spec.swa_pattern)
+    if spec.final_logit_softcapping > 0:
+        wr.add_final_logit_softcapping(spec.final_logit_softcapping)
+    wr.add_file_type(gguf.LlamaFileType.ALL_F32)
+    wr.add_vocab_size(n_vocab)
+    wr.add_tokenizer_model("gpt2")
+    wr.add_tokenizer_pre("default")
+    wr.add_token_list(tokens)
+    wr.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (n_vocab - len(SPECIALS)))
+    wr.add_token_merges(merges)
+    wr.add_bos_token_id(1)
+    wr.add_eos_token_id(eos_id)
+    wr.add_add_bos_token(False)
+    wr.add_chat_template(CHAT_TEMPLATE)
+    for name, arr in w.items():
+        wr.add_tensor(name, arr)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return path
