@@ -23,6 +23,7 @@ from .adaptive import AdaptiveDraft, AdaptiveDrafters
 from .compat import VocabInfo, check_compatible
 from .mtp import MtpDrafter
 from .ngram import parse_drafter, point_mass, propose
+from .placement import choose_flash_attn
 from .sampling import SparseDist, Transform, restrict, sample
 
 log = logging.getLogger("specq.engine")
@@ -326,7 +327,9 @@ class Engine:
         `clock` times the steps (default time.perf_counter); a SimulatedClock makes timings deterministic.
         `rollback_tokens`: on a recurrent/hybrid target, how many rejected tokens a verify can roll back through
         llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it.
-        `flash_attn`/`draft_flash_attn`: on, off or auto (llama.cpp's choice); placement.choose_flash_attn picks.
+        `flash_attn`/`draft_flash_attn`: on, off or auto: off for a model on the CPU alone, llama.cpp's choice
+        elsewhere (placement.choose_flash_attn; on the CPU flash attention is slower at long context, and its
+        batched rows round differently from single tokens, which can flip a greedy near-tie).
         `mtp`: True loads the target's MTP head as a drafter (a target without one is refused), None loads it
         where the target has one (--drafter auto), False never."""
         for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx, 16), ("--threads", threads, 1),
@@ -335,6 +338,8 @@ class Engine:
                 raise UsageError(f"{flag} must be at least {least} ({v})")
         self.threads = threads or physical_cores()
         self.draft_threads = draft_threads or self.threads
+        draft_flash_attn = choose_flash_attn(draft_flash_attn or flash_attn, ngl_draft, draft_devices or devices)
+        flash_attn = choose_flash_attn(flash_attn, ngl, devices)
         self.target = _ffi.Model(target, n_gpu_layers=ngl, main_gpu=main_gpu, tensor_split=tensor_split,
                                  devices=devices, cpu_amx=cpu_amx, load_mtp=mtp is not False)
         self.draft = None
@@ -354,7 +359,7 @@ class Engine:
                                         flash_attn=flash_attn)
             self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,
                                          n_batch=draft_n_batch or n_batch, n_outputs_max=1, name="draft",
-                                         flash_attn=draft_flash_attn or flash_attn)
+                                         flash_attn=draft_flash_attn)
                             if self.draft is not None else None)
             if mtp is not False and self.target.n_layer_nextn > 0:
                 self.mtp_ctx = _ffi.MtpContext(self.target, ctx, self.threads, n_batch=n_batch)

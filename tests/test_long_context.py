@@ -74,3 +74,21 @@ def test_bench_records_the_attention_path_of_each_model(tiny_target, tiny_close,
         settings = json.loads(r.stdout)["settings"]
         assert settings["flash_attn"] == settings["draft_flash_attn"] == want
         assert set(seen) == {("target", want), ("draft", want)}
+
+
+def test_the_engine_applies_the_same_rule_when_called_directly(tiny_target, tiny_close, monkeypatch):
+    from specq.native import engine
+
+    seen = []
+    real = engine._ffi.Context
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("name"), kwargs.get("flash_attn")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine._ffi, "Context", spy)
+    with engine.Engine(tiny_target, tiny_close, ctx=128, threads=1):
+        pass
+    with engine.Engine(tiny_target, tiny_close, ctx=128, threads=1, flash_attn="on", draft_flash_attn="auto"):
+        pass
+    assert seen == [("target", "off"), ("draft", "off"), ("target", "on"), ("draft", "off")]
