@@ -300,7 +300,8 @@ class Handlers:
         except UsageError as e:  # a combination the per-field checks let through (draft_min > draft_max…)
             raise ApiError(400, str(e), "invalid_value")
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(tokens, settings, req.stops, _emitter(asyncio.get_running_loop(), events))
+        job = Job(tokens, settings, req.stops, _emitter(asyncio.get_running_loop(), events),
+                  cache_prompt=req.cache_prompt)
         st.worker.submit(job)
         ids = ResponseIds(kind, st.limits.model_id)
         if req.stream:

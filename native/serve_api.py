@@ -76,6 +76,7 @@ class ApiRequest:
     include_usage: bool
     stops: tuple[str, ...]
     overrides: dict  # GenerationSettings fields the request set (temp, top_k, …, seed, draft_max, p_min, accept)
+    cache_prompt: bool = True  # reuse the cached prefix of the previous request (llama-server's field)
 
 
 # ==== parsing ======================================================================================
@@ -250,7 +251,8 @@ def parse_request(body: dict, kind: str, limits: Limits) -> ApiRequest:
     return ApiRequest(
         kind=kind, messages=parse_messages(body) if kind == "chat" else None,
         prompt=parse_prompt(body) if kind == "completion" else None, max_tokens=parse_max_tokens(body, limits),
-        stream=stream, include_usage=include_usage, stops=parse_stops(body), overrides=parse_sampling(body, limits))
+        stream=stream, include_usage=include_usage, stops=parse_stops(body), overrides=parse_sampling(body, limits),
+        cache_prompt=_bool(body, "cache_prompt", default=True))
 
 
 def settings_for(req: ApiRequest, defaults: GenerationSettings, seed: int) -> GenerationSettings:

@@ -80,6 +80,9 @@ class Job:
     settings: GenerationSettings
     stops: tuple[str, ...]
     emit: Callable[[tuple], None]  # ("text", str) … then ("done", Outcome) or ("error", ApiError); thread-safe
+    # False: evaluate the prompt from an empty cache. A kept prefix was computed inside another request's batch,
+    # whose shape changes the last bits of its values, so a seeded sample reproduces only without it.
+    cache_prompt: bool = True
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -175,6 +178,8 @@ class Worker:
 
     def _generate(self, job: Job) -> Outcome:
         ses = self.session
+        if not job.cache_prompt:
+            ses.reset()
         n_reused = reused_prefix(ses.tgt.tokens, job.prompt)  # what prefill will keep of the target's cache
         del ses.history[:]  # the prompt replaces the history; prefill keeps the shared cached prefix
         speculative = self.engine.draft is not None or drafts_without_model(job.settings.drafters)

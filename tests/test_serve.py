@@ -117,7 +117,10 @@ def _run_all(url: str, prompts: list[str], concurrent: bool, **kw) -> list:
         return [f.result(timeout=CLIENT_TIMEOUT_S) for f in futures]
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "extra_body": {"draft_max": 3}}],
+# A seeded sample reproduces only from an empty cache: a kept prefix was computed inside another request's
+# batch (whose shape changes its last bits), and at temperature 0.8 that can move one draw. Greedy is robust.
+@pytest.mark.parametrize("sampling", [{"temperature": 0},
+                                      {"temperature": 0.8, "extra_body": {"draft_max": 3, "cache_prompt": False}}],
                          ids=["greedy", "temp0.8-seeded"])
 def test_eight_concurrent_clients_match_their_serial_runs(server, sampling):
     before = server.metrics()
@@ -127,8 +130,10 @@ def test_eight_concurrent_clients_match_their_serial_runs(server, sampling):
         assert b.choices[0].message.content == a.choices[0].message.content
         assert a.usage.model_extra["speculative"]["n_drafted"] > 0
     after = server.metrics()
-    # every chat prompt starts with the template's "<|im_start|>user\n": the cached prefix was reused
-    assert after["specq:prompt_tokens_reused_total"] > before.get("specq:prompt_tokens_reused_total", 0)
+    # every chat prompt starts with the template's "<|im_start|>user\n": the cached prefix was reused, unless
+    # the request said cache_prompt false
+    reused = after["specq:prompt_tokens_reused_total"] - before.get("specq:prompt_tokens_reused_total", 0)
+    assert reused == 0 if "cache_prompt" in sampling.get("extra_body", {}) else reused > 0
     assert after["llamacpp:spec_decode_num_drafts_total"] > before["llamacpp:spec_decode_num_drafts_total"]
 
 
