@@ -328,8 +328,7 @@ class Engine:
         `rollback_tokens`: on a recurrent/hybrid target, how many rejected tokens a verify can roll back through
         llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it.
         `flash_attn`/`draft_flash_attn`: on, off or auto: off for a model on the CPU alone, llama.cpp's choice
-        elsewhere (placement.choose_flash_attn; on the CPU flash attention is slower at long context, and its
-        batched rows round differently from single tokens, which can flip a greedy near-tie).
+        elsewhere (placement.choose_flash_attn: on the CPU flash attention decodes slower at long context).
         `mtp`: True loads the target's MTP head as a drafter (a target without one is refused), None loads it
         where the target has one (--drafter auto), False never."""
         for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx, 16), ("--threads", threads, 1),
