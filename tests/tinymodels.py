@@ -343,23 +343,7 @@ def write_tiny_qwen35(path: str | Path, seed: int = 0, n_layer: int = 4, noise_f
     wr.add_ssm_time_step_rank(spec.linear_v_heads)
     wr.add_ssm_inner_size(spec.linear_head_dim * spec.linear_v_heads)
     wr.add_file_type(gguf.LlamaFileType.ALL_F32)
-    wr.add_vocab_size(n_vocab)
-    wr.add_tokenizer_model("gpt2")
-    wr.add_tokenizer_pre("default")
-    wr.add_token_list(tokens)
-    wr.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (n_vocab - len(SPECIALS)))
-    wr.add_token_merges(merges)
-    wr.add_bos_token_id(1)
-    wr.add_eos_token_id(eos_id)
-    wr.add_add_bos_token(False)
-    wr.add_chat_template(CHAT_TEMPLATE)
-    for name, arr in w.items():
-        wr.add_tensor(name, arr)
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_tensors_to_file()
-    wr.close()
-    return path
+    return _write_vocab_and_tensors(wr, path, tokens, merges, eos_id, w)
 
 
 # -- tiny sliding-window Gemma 3 (llama.cpp architecture "gemma3") ----------------------------------------
@@ -454,6 +438,13 @@ def write_tiny_gemma3(path: str | Path, seed: int = 0, noise_from: tuple[int, fl
     if spec.final_logit_softcapping > 0:
         wr.add_final_logit_softcapping(spec.final_logit_softcapping)
     wr.add_file_type(gguf.LlamaFileType.ALL_F32)
+    return _write_vocab_and_tensors(wr, path, tokens, merges, eos_id, w)
+
+
+def _write_vocab_and_tensors(wr: "gguf.GGUFWriter", path: Path, tokens: list[str], merges: list[str], eos_id: int,
+                             w: dict[str, np.ndarray]) -> Path:
+    """The byte-level BPE vocabulary, chat template and tensors shared by the tiny qwen35 and gemma3 files."""
+    n_vocab = len(tokens)
     wr.add_vocab_size(n_vocab)
     wr.add_tokenizer_model("gpt2")
     wr.add_tokenizer_pre("default")
