@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from loglines import LogLines
 from specq.errors import UsageError
 from specq.native import _ffi
 from specq.native.placement import choose_flash_attn
@@ -22,18 +23,9 @@ def test_auto_turns_flash_attention_off_on_the_cpu_and_leaves_gpus_to_llama_cpp(
         choose_flash_attn("yes", 0, None)
 
 
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def _context_log(path, flash_attn: str) -> list[str]:
     lg = logging.getLogger("specq.llama")
-    h, old = _Lines(), lg.level
+    h, old = LogLines(), lg.level
     lg.addHandler(h)
     lg.setLevel(logging.DEBUG)
     try:

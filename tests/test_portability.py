@@ -14,6 +14,7 @@ import gguf
 import pytest
 
 from cli_bin import BIN_DIR, SPECQ
+from loglines import LogLines
 from specq.native import cpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,21 +139,12 @@ def tiny_q4_0(models_dir, tiny_target):
     return path
 
 
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def _load_and_decode(path, mode: str) -> tuple[list[int], list[str], int]:
     """Greedy tokens after a prompt, llama.cpp's log lines of the load, and the override patterns used."""
     from specq.native import _ffi
 
     lg = logging.getLogger("specq.llama")
-    h, old = _Lines(), lg.level
+    h, old = LogLines(), lg.level
     lg.addHandler(h)
     lg.setLevel(logging.DEBUG)
     try:
