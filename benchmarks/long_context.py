@@ -2,7 +2,7 @@
 
 Prompts are real English text (the docstrings of Python's standard library modules, the same for a given
 Python version), cut to each length in tokens. For each pair and length one session evaluates the prompt
-once; every run then rolls the session back to all but the prompt's last 8 tokens and generates from there
+once; every run then rolls the session back to all but the prompt's last 16 tokens and generates from there
 (a chat turn at that depth), so runs differ only in how they decode. auto starts each run with a fresh
 controller: nothing measured before, as in a new session. Runs alternate (plain, auto, fixed k ...) and
 the medians of `--repeat` rounds are reported, with each mode's steps, plain steps and acceptance.
@@ -39,7 +39,7 @@ MODULES = ("argparse", "subprocess", "typing", "collections", "json", "asyncio",
            "http.client", "decimal", "datetime", "pathlib", "re", "socket", "threading", "tarfile", "zipfile", "csv",
            "sqlite3", "functools", "itertools", "inspect", "pickle", "random", "statistics", "textwrap", "string",
            "shutil", "tempfile", "heapq", "bisect", "enum", "dataclasses", "contextlib", "abc", "io", "os", "sys")
-TAIL = 8  # the prompt's last tokens, evaluated by each run (the turn's new text)
+TAIL = 16  # the prompt's last tokens, evaluated by each run (the turn's new text)
 
 
 def real_text() -> str:
@@ -76,6 +76,7 @@ def run_length(eng: Engine, toks: list[int], modes: list, n_predict: int, repeat
                    "n_generated": st.n_generated, "n_steps": st.n_steps, "n_drafted": st.n_drafted,
                    "n_accepted": st.n_accepted, "n_plain_steps": st.n_plain_steps, "n_probes": st.n_probes,
                    "steps_by_k": dict(st.steps_by_k), "draft_ms": st.draft_ms, "verify_ms": st.verify_ms,
+                   "n_draft_slides": st.n_draft_slides,
                    "verify_ms_by_size": [list(v) for v in st.verify_ms_by_size]}
             runs.append(row)
             log(f"  rep {rep} {str(mode):5s} {st.tokens_per_s:6.2f} tok/s  steps {st.n_steps} "
@@ -124,6 +125,9 @@ def main() -> None:
     ap.add_argument("--flash-attn", default="auto")
     ap.add_argument("--llama-bench", help="path of llama.cpp's llama-bench, built from the same tree")
     ap.add_argument("--llama-bench-repeat", type=int, default=2)
+    ap.add_argument("--draft-ctx", default="0",
+                    help="draft contexts to compare, comma-separated: 0 = the target's (the whole prompt), N = a "
+                         "window of the last N tokens (--ctx-draft); each is its own entry, <pair>@window<N>")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -136,20 +140,24 @@ def main() -> None:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    for name, (target, draft) in pairs(a.pairs.split(",")).items():
-        entry = doc["pairs"][name] = {"target": target.name, "draft": draft.name, "lengths": {}}
+    runs_of = [(name, tgt_dft, int(w)) for name, tgt_dft in pairs(a.pairs.split(",")).items()
+               for w in a.draft_ctx.split(",")]
+    for name, (target, draft), window in runs_of:
+        key = f"{name}@window{window}" if window else name
+        entry = doc["pairs"][key] = {"target": target.name, "draft": draft.name, "draft_ctx": window or None,
+                                     "lengths": {}}
         with Engine(target, draft, ctx=max(lengths) + a.n_predict + 64, threads=a.threads,
-                    flash_attn=a.flash_attn) as eng:
+                    flash_attn=a.flash_attn, draft_ctx=window or None) as eng:
             toks_all = eng.tokenize(text)
             if len(toks_all) < max(lengths):
                 raise SystemExit(f"the text has {len(toks_all)} tokens, fewer than {max(lengths)}")
             entry["target_flash_attn"] = a.flash_attn
             for n in lengths:
-                log(f"{name} {n} tokens")
+                log(f"{key} {n} tokens")
                 t0 = time.perf_counter()
                 entry["lengths"][str(n)] = run_length(eng, toks_all[:n], modes, a.n_predict, a.repeat, log)
                 entry["lengths"][str(n)]["wall_s"] = time.perf_counter() - t0
-        if a.llama_bench:
+        if a.llama_bench and not window:
             log(f"{name}: llama-bench")
             entry["llama_bench"] = llama_bench(a.llama_bench, target, lengths, a.threads, a.llama_bench_repeat)
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")

@@ -38,7 +38,7 @@ def run_llamacpp(binary: Path, target: str, draft: str, a) -> dict:
            "-p", a.prompt, "-n", str(a.n_predict), "--temp", "0", "--seed", "0", "-t", str(a.threads),
            "-c", str(a.ctx), "-ngl", "0", "--spec-draft-ngl", "0"]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace")  # random weights: any bytes
     if p.returncode != 0:
         sys.exit(f"llama-speculative-simple failed ({p.returncode}):\n{p.stderr[-3000:]}")
     log = p.stdout + p.stderr
@@ -53,21 +53,32 @@ def run_llamacpp(binary: Path, target: str, draft: str, a) -> dict:
             "wall_s": time.perf_counter() - t0, "command": cmd}
 
 
-def run_specq(target: str, draft: str, a) -> dict:
+def run_specq(target: str, draft: str, a, default: bool = False) -> dict:
+    """specq with llama.cpp's draft settings; default=True: specq's own defaults (draft-max auto) and the
+    target alone in the same process (the baseline row)."""
     cmd = [sys.executable, "-m", "specq.cli.main", "bench", "--target", target, "--draft", draft,
-           "--prompt", a.prompt, "--n-predict", str(a.n_predict), "--draft-max", str(a.draft_max),
-           "--p-min", str(a.p_min), "--temp", "0", "--seed", "0", "--threads", str(a.threads), "--ctx", str(a.ctx),
-           "--ngl", "0", "--ngl-draft", "0", "--no-baseline", "--json", "-", "-q"]
+           "--prompt", a.prompt, "--n-predict", str(a.n_predict), "--temp", "0", "--seed", "0",
+           "--threads", str(a.threads), "--ctx", str(a.ctx), "--ngl", "0", "--ngl-draft", "0", "--json", "-", "-q"]
+    if not default:
+        cmd += ["--draft-max", str(a.draft_max), "--p-min", str(a.p_min), "--no-baseline"]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"specq bench failed ({p.returncode}): {p.stderr[-3000:]}")
-    row = json.loads(p.stdout)["runs"][0]
-    return {"tool": "specq", "n_generated": row["n_generated"], "gen_s": row["gen_ms"] / 1000,
-            "tokens_per_s": row["tokens_per_s"], "accept_rate": row["accept_rate"], "n_drafted": row["n_drafted"],
-            "n_accepted": row["n_accepted"], "n_steps": row["n_steps"], "decode_ms": row["decode_ms"],
-            "gen_ms": row["gen_ms"], "overhead_fraction": row["overhead_fraction"],
-            "python_ms_per_step": (row["gen_ms"] - row["decode_ms"]) / max(row["n_steps"], 1),
-            "step_ms": row["gen_ms"] / max(row["n_steps"], 1), "command": cmd}
+    rows = json.loads(p.stdout)["runs"]
+    row = next(r for r in rows if r.get("n_steps") is not None)
+    out = {"tool": "specq-default" if default else "specq", "n_generated": row["n_generated"],
+           "gen_s": row["gen_ms"] / 1000,
+           "tokens_per_s": row["tokens_per_s"], "accept_rate": row["accept_rate"], "n_drafted": row["n_drafted"],
+           "n_accepted": row["n_accepted"], "n_steps": row["n_steps"], "decode_ms": row["decode_ms"],
+           "gen_ms": row["gen_ms"], "overhead_fraction": row["overhead_fraction"],
+           "python_ms_per_step": (row["gen_ms"] - row["decode_ms"]) / max(row["n_steps"], 1),
+           "step_ms": row["gen_ms"] / max(row["n_steps"], 1),
+           "n_rollbacks": row.get("n_rollbacks"), "n_restores": row.get("n_restores"), "command": cmd}
+    base = [r for r in rows if r.get("n_steps") is None]
+    if default and base:
+        out["target_alone_tokens_per_s"] = base[0]["tokens_per_s"]
+        out["identical_to_target_alone"] = base[0]["tokens"] == row["tokens"]
+    return out
 
 
 def main() -> None:
@@ -83,6 +94,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--with-default", action="store_true",
+                    help="also run specq with its default settings (draft-max auto) and the target alone")
     a = ap.parse_args()
     if a.target is None:
         from specq.native.demo import demo_pair
@@ -91,9 +104,11 @@ def main() -> None:
         a.target, a.draft = str(t), str(d)
     binary = a.llama_bin / "llama-speculative-simple"
     runs = []
+    tools = ["llama.cpp", "specq"] + (["specq-default"] if a.with_default else [])
     for i in range(a.repeat):
-        for fn in (run_llamacpp, run_specq) if i % 2 == 0 else (run_specq, run_llamacpp):
-            r = fn(binary, a.target, a.draft, a) if fn is run_llamacpp else fn(a.target, a.draft, a)
+        for tool in tools[i % len(tools):] + tools[:i % len(tools)]:  # the order rotates with the repeat
+            r = (run_llamacpp(binary, a.target, a.draft, a) if tool == "llama.cpp"
+                 else run_specq(a.target, a.draft, a, default=tool == "specq-default"))
             r["repeat"] = i
             runs.append(r)
             print(f"{r['tool']:9s} rep {i}: {r['tokens_per_s']:6.1f} tok/s, accept {r['accept_rate']}", file=sys.stderr)
@@ -112,6 +127,12 @@ def main() -> None:
         "specq_step_ms": med("specq", "step_ms"),
     }
     summary["ratio"] = summary["specq_tokens_per_s"] / summary["llamacpp_tokens_per_s"]
+    if a.with_default:
+        summary["specq_default_tokens_per_s"] = med("specq-default", "tokens_per_s")
+        summary["target_alone_tokens_per_s"] = med("specq-default", "target_alone_tokens_per_s")
+        summary["default_speedup"] = summary["specq_default_tokens_per_s"] / summary["target_alone_tokens_per_s"]
+        summary["default_identical"] = all(r["identical_to_target_alone"] for r in runs
+                                           if r["tool"] == "specq-default")
     doc = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                        "python": platform.python_version()},
            "settings": {k: v for k, v in vars(a).items() if k != "json"} | {"llama_bin": str(a.llama_bin),

@@ -407,6 +407,21 @@ class Context(_Handle):
         self.n_swa = 0 if swa_full else int(C.llama_model_n_swa(model.handle))
         self.on_decode = None  # called as on_decode(name, n_tokens, pos0) after each llama_decode (simulated clocks)
         self.on_hidden = None  # with output_hidden(): called as on_hidden(pos0, rows) after each llama_decode
+        self.n_outputs_max = int(n_outputs_max)
+        self.n_warm_up_decodes = 0
+
+    def warm_up(self) -> None:
+        """Decode a 2-token batch and a single token, then empty the cache. A fresh context's first decodes of
+        each kind pay one-time costs (weight and buffer pages touched, threads started) that would otherwise
+        land in the first timed step and make the adaptive controller's first estimates too dear. llama.cpp's
+        own tools warm up the same way."""
+        bos = self.model.bos
+        tok = bos if 0 <= bos < self.n_vocab else 0
+        self.decode([tok, tok], 0, logits="all" if self.n_outputs_max == 0 or self.n_outputs_max >= 2 else "last")
+        self.decode([tok], 2, logits="last")
+        self.n_warm_up_decodes = self.n_decode_calls
+        self.clear()
+        self.decode_s, self.n_decode_calls, self.n_outputs, self.last_decode_pos0 = 0.0, 0, 0, 0
 
     def output_hidden(self, on_hidden) -> None:
         """After each decode, hand the trunk's last hidden state of every batch position (the MTP head's input,

@@ -14,7 +14,8 @@ Costs depend on the context: at thousands of tokens attention dominates, a draft
 costs nearly what the target does, and a batched verify grows with the batch (each row attends to the whole
 context). So the cost estimates are kept per context band (`ctx_band`: bands √2 apart), the caller says where
 the generation is (`at(n)`), and a band with no measurement yet is priced from a calibration at the start of
-the generation (`calibrate`: one target and one draft token timed at that context) and from the nearest band
+the generation (`calibrate`: one target and one draft token, and target batches of 2 and 5 tokens, timed at that
+context) and from the nearest band
 that has measurements, its batch verifies shifted by the extra attention of each row. Acceptance is shared.
 """
 
@@ -24,6 +25,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 SHORT_CTX = 384  # contexts below this share one band: attention is a small part of a step there
+CALIBRATION_BATCHES = (5, 2)  # verify sizes timed in a prefill at a new context: two points give V(b)'s line
 
 
 def ctx_band(n_ctx: int) -> int:
@@ -80,9 +82,13 @@ def best_draft_length(alphas, t_draft: float, verify_s, overhead: float = 0.0,
 class AdaptiveDraft:
     def __init__(self, cap: int, cost_ratio_prior: float = 0.2, decay: float = 0.92, prior_weight: float = 4.0,
                  probe_min: int = 16, probe_max: int = 64, probe_k: int = 1, ema: float = 0.2,
-                 probe_budget: float = 0.02, alpha_prior: float = 0.75, attention_prior: float = 0.0):
+                 probe_budget: float = 0.02, alpha_prior: float = 0.75, attention_prior: float = 0.0,
+                 min_evidence: float = 6.0):
         """`attention_prior`: the target's attention arithmetic per token of context as a share of its weights'
-        (_ffi.Model.attention_per_context_token): what a step's cost grows by with the context, until measured."""
+        (_ffi.Model.attention_per_context_token): what a step's cost grows by with the context, until measured.
+        `min_evidence`: until position 1 has been tried this many times (decayed counts), plain decoding is not
+        a verdict: a one-token probe runs every other step, so that a few unlucky first drafts (or a noisy first
+        reading of a cost) cannot stop drafting for a whole answer."""
         self.cap = cap
         self.attention_prior = attention_prior
         self.decay = decay
@@ -97,11 +103,13 @@ class AdaptiveDraft:
         self.n_ctx = 0
         self._c = self._band(0)  # the costs of the current context band
         self.n_calibrations = 0
+        self.n_batch_calibrations = 0
         self.overhead = 0.0
         self.ema = ema
         self.probe_min, self.probe_max, self.probe_k = probe_min, probe_max, probe_k
         self.probe_interval = probe_min
         self.probe_budget = probe_budget  # probes may cost at most this share of plain decoding time
+        self.min_evidence = min_evidence
         self._probing = False
         self.plain_streak = 0
         self.n_plain_steps = 0
@@ -120,20 +128,34 @@ class AdaptiveDraft:
         c = self.bands.get(ctx_band(n_ctx))
         return c is not None and 1 in c.v_mean and (not with_draft or c.t_first is not None)
 
-    def calibration_points(self, first: int, last: int, with_draft: bool) -> list[int]:
-        """Positions of a prefill over first..last-1 worth timing alone: the last-but-one when its context band
-        has no measurement yet, and then the first as well when it lies in another unmeasured band (two
-        contexts give attention's share of a token's cost, which a batched verify pays once per row)."""
+    def calibration_points(self, first: int, last: int, with_draft: bool) -> list[tuple[int, int]]:
+        """Spans (position, n_tokens) of a prefill over first..last-1 worth decoding alone and timing, when the
+        context band of last-1 has no measurement yet: the last-but-one token alone, and just before it the
+        batches of CALIBRATION_BATCHES tokens (what a verify of that size costs at this context: a batch pays
+        attention once per row, which the single token cannot tell); then the first token as well when it lies
+        in another unmeasured band (two contexts give attention's share of a token's cost)."""
         if last - first < 2 or self._measured(last - 1, with_draft):
             return []
+        spans, start = [(last - 1, 1)], last - 1
+        for b in CALIBRATION_BATCHES:
+            if start - b > first:
+                start -= b
+                spans.append((start, b))
         if ctx_band(first) != ctx_band(last - 1) and not self._measured(first, with_draft) and \
-                not any(1 in c.v_mean for c in self.bands.values()):
-            return [first, last - 1]
-        return [last - 1]
+                not any(1 in c.v_mean for c in self.bands.values()) and first < start:
+            spans.append((first, 1))
+        return sorted(spans)
 
-    def calibrate(self, n_ctx: int, verify_one_s: float, draft_token_s: float | None) -> None:
-        """Seed n_ctx's band with one target token and one draft token timed at that context."""
+    def calibrate(self, n_ctx: int, verify_one_s: float, draft_token_s: float | None, n_tokens: int = 1) -> None:
+        """Seed n_ctx's band with a target decode of n_tokens (one token, or a batch priced as a verify of that
+        size) and, for a single token, one draft token timed at that context."""
         c = self._band(ctx_band(n_ctx))
+        if n_tokens > 1:
+            if n_tokens not in c.v_mean:
+                c.v_mean[n_tokens] = verify_one_s
+                self._refit(c)
+            self.n_batch_calibrations += 1
+            return
         if 1 not in c.v_mean:
             c.v_mean[1], c.ctx_one = verify_one_s, n_ctx
         if draft_token_s is not None and c.t_first is None:
@@ -254,14 +276,20 @@ class AdaptiveDraft:
             self.probe_interval = self.probe_min
             return k
         self.plain_streak += 1
-        if self.plain_streak > self.probe_interval and self._could_pay(min(limit, self.cap)):
+        thin = self.thin_evidence()
+        if self.plain_streak > (1 if thin else self.probe_interval) and self._could_pay(min(limit, self.cap)):
             self.plain_streak = 0
-            self.probe_interval = min(2 * self.probe_interval, self.probe_max)
+            if not thin:
+                self.probe_interval = min(2 * self.probe_interval, self.probe_max)
             self.n_probes += 1
             self._probing = True
             return min(self.probe_k, limit, self.cap)
         self.n_plain_steps += 1
         return 0
+
+    def thin_evidence(self) -> bool:
+        """Whether too few drafts were tried yet for plain decoding to be a verdict (see min_evidence)."""
+        return self.trials[0] < self.min_evidence
 
     def _could_pay(self, limit: int) -> bool:
         """Whether drafting could beat plain decoding even at perfect acceptance, with the measured costs."""
@@ -357,18 +385,22 @@ class AdaptiveDrafters:
         for c in (self.shared, *self.per.values()):
             c.at(n_ctx)
 
-    def calibration_points(self, first: int, last: int, with_draft: bool) -> list[int]:
+    def calibration_points(self, first: int, last: int, with_draft: bool) -> list[tuple[int, int]]:
         return self.shared.calibration_points(first, last, with_draft)
 
-    def calibrate(self, n_ctx: int, verify_one_s: float, draft_token_s: float | None) -> None:
+    def calibrate(self, n_ctx: int, verify_one_s: float, draft_token_s: float | None, n_tokens: int = 1) -> None:
         """A prefill's timing at n_ctx: the target's for all, the draft model's for its drafter."""
-        self.shared.calibrate(n_ctx, verify_one_s, None)
+        self.shared.calibrate(n_ctx, verify_one_s, None, n_tokens)
         if draft_token_s is not None and "model" in self.per:
             self.per["model"].calibrate(n_ctx, verify_one_s, draft_token_s)
 
     @property
     def n_calibrations(self) -> int:
         return self.shared.n_calibrations
+
+    @property
+    def n_batch_calibrations(self) -> int:
+        return self.shared.n_batch_calibrations
 
     def choose(self, limits: dict[str, int]) -> tuple[str | None, int]:
         """(drafter, draft length) for the next step, or (None, 0) for plain decoding; limits: the most each
@@ -389,14 +421,17 @@ class AdaptiveDrafters:
             self.probe_interval = self.probe_min
             return self._use(best), best_k
         self.plain_streak += 1
-        if self.plain_streak > self.probe_interval:
-            due = [n for n, lim in limits.items() if lim > 0 and self.per[n]._could_pay(min(lim, self.cap))]
-            if due:
-                self.plain_streak = 0
+        # a drafter tried too few times yet is probed every other step (AdaptiveDraft.min_evidence), the others
+        # every probe_interval steps
+        due = [n for n, lim in limits.items() if lim > 0 and self.per[n]._could_pay(min(lim, self.cap))
+               and self.plain_streak > (1 if self.per[n].thin_evidence() else self.probe_interval)]
+        if due:
+            self.plain_streak = 0
+            name = min(due, key=lambda n: self.last_used[n])
+            if not self.per[name].thin_evidence():
                 self.probe_interval = min(2 * self.probe_interval, self.probe_max)
-                self.n_probes += 1
-                name = min(due, key=lambda n: self.last_used[n])
-                return self._use(name), min(self.probe_k, limits[name], self.cap)
+            self.n_probes += 1
+            return self._use(name), min(self.probe_k, limits[name], self.cap)
         self.n_plain_steps += 1
         return None, 0
 

@@ -362,6 +362,9 @@ class Engine:
                             if self.draft is not None else None)
             if mtp is not False and self.target.n_layer_nextn > 0:
                 self.mtp_ctx = _ffi.MtpContext(self.target, ctx, self.threads, n_batch=n_batch)
+            for c in (self.tgt_ctx, self.dft_ctx):
+                if c is not None:
+                    c.warm_up()
         except BaseException:
             self.close()
             raise
@@ -697,12 +700,15 @@ class Session:
         self._rewind()
 
     # ==== generation ============================================================================
-    def prefill(self, new_tokens: list[int], timed: Callable[[int, int], list[int]] | None = None) -> list[tuple]:
+    def prefill(self, new_tokens: list[int],
+                timed: Callable[[int, int], list[tuple[int, int]]] | None = None) -> list[tuple]:
         """Append tokens to the history and evaluate all but the last on both models.
 
-        `timed(first, last)`: positions among the new ones (first..last-1 may be evaluated) to decode alone and
-        time on each model: (position, target seconds, draft seconds or None) for each is returned, what one
-        token costs at that context. The tokens and positions decoded are the same either way."""
+        `timed(first, last)`: spans (position, n_tokens) among the new ones (first..last-1 may be evaluated) to
+        decode alone and time: (position, n_tokens, target seconds, draft seconds or None) is returned for each,
+        what a decode of that many tokens costs the target at that context (with every row's logits, as a
+        verify) and, for single tokens, what one costs the draft. The tokens and positions decoded are the same
+        either way."""
         if not new_tokens:
             raise UsageError("empty prompt; give some text to start from")
         total = len(self.history) + len(new_tokens)
@@ -715,24 +721,27 @@ class Session:
             self._rewind()
             hist, clock = self.history, self.engine.clock
             last = len(hist) - 1
-            alone = sorted(set(p for p in (timed(len(self.tgt.tokens), last) if timed else ())
-                               if len(self.tgt.tokens) <= p < last))
+            spans, end = [], len(self.tgt.tokens)
+            for pos, n in sorted(set(timed(len(self.tgt.tokens), last) if timed else ())):
+                if pos >= end and n >= 1 and pos + n <= last:  # in order, not overlapping
+                    spans.append((pos, n))
+                    end = pos + n
             out = []
-            for pos in alone + [last]:
+            for pos, n in spans + [(last, 0)]:
                 self.tgt.extend(hist[len(self.tgt.tokens):pos], logits="none")
                 if self.dft is not None:
                     self._fit_draft(pos + 1)
                     self.dft.extend(hist[self.dft.offset + len(self.dft.tokens):pos], logits="none")
-                if pos == last:
+                if n == 0:
                     break
                 t0 = clock()
-                self.tgt.extend([hist[pos]], logits="last")
+                self.tgt.extend(hist[pos:pos + n], logits="last" if n == 1 else "all")
                 t1 = clock()
                 draft_s = None
-                if self.dft is not None and self.dft.offset + len(self.dft.tokens) == pos:
+                if n == 1 and self.dft is not None and self.dft.offset + len(self.dft.tokens) == pos:
                     self.dft.extend([hist[pos]], logits="last")
                     draft_s = clock() - t1
-                out.append((pos, t1 - t0, draft_s))
+                out.append((pos, n, t1 - t0, draft_s))
             return out
         except BaseException:
             del self.history[-len(new_tokens):]
@@ -854,8 +863,8 @@ class Generation:
                             timed=(lambda first, last: ctrl.calibration_points(first, last, with_draft))
                             if ctrl is not None else None)
         p.prompt_s = self._clock() - tp0
-        for pos, target_s, draft_s in timed:
-            ctrl.calibrate(pos, target_s, draft_s)
+        for pos, n, target_s, draft_s in timed:
+            ctrl.calibrate(pos, target_s, draft_s, n)
 
         samp = self._samp = _Sampling(s, self.speculative)
         if ctrl is not None:

@@ -268,3 +268,40 @@ def test_at_long_context_drafting_that_still_pays_starts_at_the_first_step(deep_
         ses = e.session()
         drafted, plain = first_step(ses, long_prompt(e, 1500), GenerationSettings(n_predict=16, draft_max="auto"))
         assert drafted > 0 and plain == 0
+
+
+def test_at_long_context_verify_batches_timed_in_the_prefill_price_the_first_step(deep_target, tiny_target):
+    # The target's single token grows with the context (60 ms of attention at 1,500 tokens) but a batch shares
+    # those reads, so its rows cost little more than one (a 5-token verify: 93 ms against 80 for one token).
+    # Priced from single tokens alone, each row of a verify would pay the single token's attention and drafting
+    # would look like a loss; the batches the prefill decodes alone and times show that it pays, so the first
+    # step already drafts.
+    base = cpu_like_costs(target_one_ms=20.0, draft_ms=2.0)
+
+    def cost(name: str, n: int, pos0: int = 0) -> float:
+        return base(name, n) + (0.04 * pos0 / 1e3 if name == "target" else 0.0)
+
+    with Engine(deep_target, tiny_target, ctx=2048, threads=1, clock=SimulatedClock(cost)) as e:
+        ses = e.session()
+        drafted, plain = first_step(ses, long_prompt(e, 1500), GenerationSettings(n_predict=16, draft_max="auto"))
+        ctrl = ses.controller(GenerationSettings(n_predict=16, draft_max="auto"))
+        assert drafted > 0 and plain == 0
+        assert ctrl.n_batch_calibrations == 2  # a 5-token and a 2-token batch, at 1,500 tokens
+        assert ctrl.verify_s(5) == pytest.approx(0.028 + 0.005 + 0.06, rel=0.02)
+
+
+def test_a_few_unlucky_first_drafts_do_not_stop_drafting_for_the_whole_answer():
+    # Plain 20 ms a token, a 6 ms draft token, verifies of 24 ms + 1 ms a row: a draft that is accepted pays
+    # well. The first three drafts are all rejected (a hard opening), everything after is accepted. Plain
+    # decoding wins on that thin evidence; one-token probes every other step must bring drafting back within a
+    # few steps, not after probe_min (16) plain steps.
+    c = AdaptiveDraft(cap=8)
+    ks = []
+    for step in range(30):
+        k = c.choose(8)
+        accepted = 0 if step < 3 else k
+        c.observe(k, accepted, 0.006 if k > 1 else None, (20.0 if k == 0 else 25.0 + k) / 1e3, 0.0,
+                  draft_s=0.006 * k if k else None, first_token_s=0.006 if k else None)
+        ks.append(k)
+    assert 0 < c.n_plain_steps <= 6 and c.n_probes > 0, ks  # it did go plain, and probed its way back
+    assert min(ks[15:]) >= 4, ks

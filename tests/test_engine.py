@@ -214,3 +214,17 @@ def test_a_draft_window_slides_over_a_long_history_and_output_stays_the_targets(
             np.testing.assert_allclose(dft.ctx.logits(1)[0], fresh.logits(1)[0], atol=2e-2)
         ses.rollback(40)  # back before the window: the draft starts again from the beginning
         assert dft.offset == 0 and dft.tokens == hist[:len(dft.tokens)]
+
+
+def test_a_new_engine_warms_its_contexts_up_and_leaves_them_empty(tiny_target, tiny_close):
+    # The first decodes of a fresh context pay one-time costs that would otherwise price the first step; the
+    # warm-up runs them at load and empties the cache again, so the first generation is the same as ever.
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1) as e:
+        for c in (e.tgt_ctx, e.dft_ctx):
+            assert c.n_warm_up_decodes == 2 and c.n_decode_calls == 0
+            assert c.pos_max() == -1  # nothing left in the cache
+        toks = e.tokenize(PROMPTS[0])
+        g = e.session().generate(toks, GenerationSettings(n_predict=24, draft_max=4)).run()
+        assert g.stats.n_drafted > 0 and len(set(g.tokens)) > 1
+    with Engine(tiny_target, ctx=256, threads=1) as e:
+        assert e.session().generate(toks, GenerationSettings(n_predict=24), speculative=False).run().tokens == g.tokens

@@ -318,10 +318,17 @@ def write_tiny_qwen35(path: str | Path, seed: int = 0, n_layer: int = 4, noise_f
     if noise_from is not None:
         noise = qwen35_weights(spec, n_vocab, seed, with_mtp, mtp_bigram)
         w = {k: (v + noise_from[1] * noise[k] if v.ndim == 2 else v) for k, v in w.items()}
+    return write_qwen35_weights(path, spec, w, name=f"specq-tiny-qwen35-{seed}", with_mtp=with_mtp, eos_id=eos_id)
 
+
+def write_qwen35_weights(path: str | Path, spec: TinyQwen35Spec, w: dict[str, np.ndarray], name: str,
+                         with_mtp: bool = False, eos_id: int = 0) -> Path:
+    """Write qwen35 weights (as qwen35_weights returns them, possibly edited) with the tiny vocabulary."""
+    path = Path(path)
+    tokens, merges = vocab(spec.n_merges)
     arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN35]
     wr = gguf.GGUFWriter(str(path), arch)
-    wr.add_name(f"specq-tiny-qwen35-{seed}")
+    wr.add_name(name)
     wr.add_context_length(spec.n_ctx)
     wr.add_embedding_length(spec.n_embd)
     wr.add_block_count(spec.n_layer + int(with_mtp))  # llama.cpp: trunk layers = block_count − nextn layers
