@@ -9,7 +9,8 @@ the medians of `--repeat` rounds are reported, with each mode's steps, plain ste
 
 With `--llama-bench PATH`, llama.cpp's own llama-bench (built from the same vendored tree) measures the
 target's plain decoding at the same depths with flash attention off and on, same threads: specq's target
-alone should reach the better of the two.
+alone should reach the better of the two. It runs on the wheel's libllama and ggml (LD_LIBRARY_PATH), so both
+sides use the same build of the same code; `--llama-bench-own-libs` keeps its CMake build's.
 
     python benchmarks/long_context.py --json benchmarks/results/long_context.json \
         [--pairs demo,deep] [--lengths 512,2048,4096,8192] [--n-predict 48] [--repeat 3] [--threads 2] \
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -105,11 +107,23 @@ def summarise(runs: list[dict], modes: list) -> dict:
     return out
 
 
-def llama_bench(binary: str, model: Path, depths: list[int], threads: int, repeat: int) -> list[dict]:
-    """llama-bench's tg16 at each depth with flash attention off and on (its JSON rows, trimmed)."""
+def wheel_libs() -> Path:
+    """The folder of the installed llama-cpp-python's libllama and ggml libraries."""
+    import llama_cpp
+
+    return Path(llama_cpp.__file__).parent / "lib"
+
+
+def llama_bench(binary: str, model: Path, depths: list[int], threads: int, repeat: int, libs: Path | None) -> list[dict]:
+    """llama-bench's tg16 at each depth with flash attention off and on (its JSON rows, trimmed). libs: a folder
+    put first on LD_LIBRARY_PATH, so that the binary runs on those libllama/ggml builds (a CMake build's
+    RUNPATH yields to it) — the wheel's, for a like-for-like comparison with specq."""
     cmd = [binary, "-m", str(model), "-p", "0", "-n", "16", "-d", ",".join(map(str, depths)), "-fa", "0,1",
            "-t", str(threads), "-r", str(repeat), "-ngl", "0", "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    env = dict(os.environ)
+    if libs is not None:
+        env["LD_LIBRARY_PATH"] = f"{libs}:{env['LD_LIBRARY_PATH']}" if env.get("LD_LIBRARY_PATH") else str(libs)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     keep = ("n_depth", "flash_attn", "n_gen", "n_threads", "avg_ts", "stddev_ts", "samples_ts", "type_k", "n_ubatch")
     return [{k: row.get(k) for k in keep} for row in json.loads(out)]
 
@@ -125,6 +139,8 @@ def main() -> None:
     ap.add_argument("--flash-attn", default="auto")
     ap.add_argument("--llama-bench", help="path of llama.cpp's llama-bench, built from the same tree")
     ap.add_argument("--llama-bench-repeat", type=int, default=2)
+    ap.add_argument("--llama-bench-own-libs", action="store_true",
+                    help="run llama-bench on the libraries of its own build (default: the wheel's, like for like)")
     ap.add_argument("--draft-ctx", default="0",
                     help="draft contexts to compare, comma-separated: 0 = the target's (the whole prompt), N = a "
                          "window of the last N tokens (--ctx-draft); each is its own entry, <pair>@window<N>")
@@ -159,7 +175,9 @@ def main() -> None:
                 entry["lengths"][str(n)]["wall_s"] = time.perf_counter() - t0
         if a.llama_bench and not window:
             log(f"{name}: llama-bench")
-            entry["llama_bench"] = llama_bench(a.llama_bench, target, lengths, a.threads, a.llama_bench_repeat)
+            libs = None if a.llama_bench_own_libs else wheel_libs()
+            entry["llama_bench_libs"] = "its own build" if libs is None else "the llama-cpp-python wheel's"
+            entry["llama_bench"] = llama_bench(a.llama_bench, target, lengths, a.threads, a.llama_bench_repeat, libs)
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
     Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
 

@@ -62,6 +62,7 @@ def run_specq(target: str, draft: str, a, default: bool = False) -> dict:
     if not default:
         cmd += ["--draft-max", str(a.draft_max), "--p-min", str(a.p_min), "--no-baseline"]
     p = subprocess.run(cmd, capture_output=True, text=True)
+    cmd[0] = "python"  # recorded without this machine's path
     if p.returncode != 0:
         sys.exit(f"specq bench failed ({p.returncode}): {p.stderr[-3000:]}")
     rows = json.loads(p.stdout)["runs"]

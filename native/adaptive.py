@@ -377,6 +377,7 @@ class AdaptiveDrafters:
         self.n_plain_steps = 0
         self.n_probes = 0
         self.last_used = {name: 0 for name in self.per}
+        self.explore_interval = {name: probe_min for name in self.per}  # see _explore
         self.n_steps = 0
         self.n_chosen = {name: 0 for name in self.per}
 
@@ -419,6 +420,14 @@ class AdaptiveDrafters:
         if best is not None:
             self.plain_streak = 0
             self.probe_interval = self.probe_min
+            self.explore_interval[best] = self.probe_min
+            other = self._explore(best, limits)
+            if other is not None:
+                c = self.per[other]
+                lim = min(limits[other], self.cap)
+                k, _ = best_draft_length(c.alphas()[:lim], c.draft_s(), sh.verify_s, sh.overhead, c.first_s())
+                self.n_probes += 1
+                return self._use(other), max(k, min(self.probe_k, lim))
             return self._use(best), best_k
         self.plain_streak += 1
         # a drafter tried too few times yet is probed every other step (AdaptiveDraft.min_evidence), the others
@@ -434,6 +443,23 @@ class AdaptiveDrafters:
             return self._use(name), min(self.probe_k, limits[name], self.cap)
         self.n_plain_steps += 1
         return None, 0
+
+    def _explore(self, best: str, limits: dict[str, int]) -> str | None:
+        """Another drafter to try this step instead of the best one, so that a drafter's estimate is not
+        frozen by one unlucky try while another wins every step (the text may change: a prompt to copy from
+        makes n-grams pay): one with a proposal now that was tried too few times yet (every other step), or
+        one not used for its exploration interval, which doubles up to probe_max while it keeps losing."""
+        for name, lim in limits.items():
+            if name == best or lim <= 0:
+                continue
+            c = self.per[name]
+            since = self.n_steps - self.last_used[name]
+            due = since >= 2 if c.thin_evidence() else since > self.explore_interval[name]
+            if due and c._could_pay(min(lim, self.cap)):
+                if not c.thin_evidence():
+                    self.explore_interval[name] = min(2 * self.explore_interval[name], self.probe_max)
+                return name
+        return None
 
     def _use(self, name: str) -> str:
         self.last_used[name] = self.n_steps

@@ -156,3 +156,26 @@ def test_a_pair_manifest_and_a_preset_may_name_the_drafter(tiny_target, tmp_path
     doc["settings"]["drafter"] = "mtp,auto"
     with pytest.raises(ManifestError, match="drafter"):
         parse_preset(doc, "x")
+
+
+def test_a_drafter_that_lost_early_is_tried_again_when_the_text_changes():
+    # The model drafter pays all along (90%, dear); the n-grams are useless for 100 steps (a text with nothing
+    # to copy), then right 95% of the time (the answer starts quoting the prompt), where they beat the model.
+    # Plain decoding never wins, so plain-step probes never run: the n-grams must be re-tried while the model
+    # wins, or their early estimate keeps them out for good.
+    rng = np.random.default_rng(0)
+    c = AdaptiveDrafters(16, {"ngram": 0.01, "model": 0.3})
+    late = {}
+    for i in range(400):
+        name, k = c.choose({"ngram": 8, "model": 16})
+        alpha = {"model": 0.9, "ngram": 0.0 if i < 100 else 0.95}.get(name, 0.0)
+        a = 0
+        while a < k and rng.random() < alpha:
+            a += 1
+        draft_ms = {"model": 4.0, "ngram": 0.05}.get(name, 0.0)
+        c.observe(name, k, a, draft_ms / 1e3 if name and k > 1 else None, (10.0 + 0.5 * (k + 1)) / 1e3, 0.0,
+                  draft_ms * k / 1e3, draft_ms / 1e3 if name else None)
+        if i >= 300:
+            late[name] = late.get(name, 0) + 1
+    assert late.get("ngram", 0) > 0.8 * 100, late
+    assert c.n_probes > 0
