@@ -87,8 +87,9 @@ class AdaptiveDraft:
         """`attention_prior`: the target's attention arithmetic per token of context as a share of its weights'
         (_ffi.Model.attention_per_context_token): what a step's cost grows by with the context, until measured.
         `min_evidence`: until position 1 has been tried this many times (decayed counts), plain decoding is not
-        a verdict: a one-token probe runs every other step, so that a few unlucky first drafts (or a noisy first
-        reading of a cost) cannot stop drafting for a whole answer."""
+        a verdict: a one-token probe runs every other step (spaced out when the probes cost more than they
+        gain), so that a few unlucky first drafts (or a noisy first reading of a cost) cannot stop drafting for
+        a whole answer."""
         self.cap = cap
         self.attention_prior = attention_prior
         self.decay = decay
@@ -110,6 +111,8 @@ class AdaptiveDraft:
         self.probe_interval = probe_min
         self.probe_budget = probe_budget  # probes may cost at most this share of plain decoding time
         self.min_evidence = min_evidence
+        self.thin_budget = 0.05  # what the frequent probes of thin evidence may cost, a share of plain decoding
+        self.thin_gap = 1  # plain steps between them
         self._probing = False
         self.plain_streak = 0
         self.n_plain_steps = 0
@@ -277,7 +280,8 @@ class AdaptiveDraft:
             return k
         self.plain_streak += 1
         thin = self.thin_evidence()
-        if self.plain_streak > (1 if thin else self.probe_interval) and self._could_pay(min(limit, self.cap)):
+        if self.plain_streak > (self.thin_gap if thin else self.probe_interval) and \
+                self._could_pay(min(limit, self.cap)):
             self.plain_streak = 0
             if not thin:
                 self.probe_interval = min(2 * self.probe_interval, self.probe_max)
@@ -308,6 +312,9 @@ class AdaptiveDraft:
             extra = ((draft_s or 0.0) + verify_s + overhead_s) / plain - 1.0 - n_accepted
             if extra > 0:
                 self.probe_interval = max(self.probe_interval, int(extra / self.probe_budget))
+            # while evidence is thin, probes come every other step as long as they pay for themselves, and are
+            # spaced within thin_budget of plain decoding when they cost (a dear draft at long context)
+            self.thin_gap = max(1, int(extra / self.thin_budget)) if extra > 0 else 1
         if n_drafted:
             d = self.decay
             self.succ = [x * d for x in self.succ]

@@ -305,3 +305,16 @@ def test_a_few_unlucky_first_drafts_do_not_stop_drafting_for_the_whole_answer():
         ks.append(k)
     assert 0 < c.n_plain_steps <= 6 and c.n_probes > 0, ks  # it did go plain, and probed its way back
     assert min(ks[15:]) >= 4, ks
+
+
+def test_probes_on_thin_evidence_are_spaced_out_when_they_cost():
+    # A useless draft that is dear (8 ms a token against 20 ms plain, verifies of 27 ms): every probe costs most
+    # of a plain token and gains nothing. The every-other-step probing of thin evidence would spend ~7 probes in
+    # the first 14 steps; spaced within its budget, it spends a few over 60 steps.
+    c = AdaptiveDraft(cap=8)
+    for _ in range(60):
+        k = c.choose(8)
+        c.observe(k, 0, 0.008 if k > 1 else None, (20.0 if k == 0 else 26.0 + k) / 1e3, 0.0,
+                  draft_s=0.008 * k if k else None, first_token_s=0.008 if k else None)
+    assert 0 < c.n_probes <= 4 and c.n_plain_steps >= 50
+    assert c.thin_gap > 1  # the mechanism ran: the last probe set a gap
