@@ -149,18 +149,18 @@ class AdaptiveDraft:
             spans.append((first, 1))
         return sorted(spans)
 
-    def calibrate(self, n_ctx: int, verify_one_s: float, draft_token_s: float | None, n_tokens: int = 1) -> None:
+    def calibrate(self, n_ctx: int, target_s: float, draft_token_s: float | None, n_tokens: int = 1) -> None:
         """Seed n_ctx's band with a target decode of n_tokens (one token, or a batch priced as a verify of that
         size) and, for a single token, one draft token timed at that context."""
         c = self._band(ctx_band(n_ctx))
         if n_tokens > 1:
             if n_tokens not in c.v_mean:
-                c.v_mean[n_tokens] = verify_one_s
+                c.v_mean[n_tokens] = target_s
                 self._refit(c)
             self.n_batch_calibrations += 1
             return
         if 1 not in c.v_mean:
-            c.v_mean[1], c.ctx_one = verify_one_s, n_ctx
+            c.v_mean[1], c.ctx_one = target_s, n_ctx
         if draft_token_s is not None and c.t_first is None:
             c.t_first = draft_token_s
         self.n_calibrations += 1
@@ -396,11 +396,11 @@ class AdaptiveDrafters:
     def calibration_points(self, first: int, last: int, with_draft: bool) -> list[tuple[int, int]]:
         return self.shared.calibration_points(first, last, with_draft)
 
-    def calibrate(self, n_ctx: int, verify_one_s: float, draft_token_s: float | None, n_tokens: int = 1) -> None:
+    def calibrate(self, n_ctx: int, target_s: float, draft_token_s: float | None, n_tokens: int = 1) -> None:
         """A prefill's timing at n_ctx: the target's for all, the draft model's for its drafter."""
-        self.shared.calibrate(n_ctx, verify_one_s, None, n_tokens)
+        self.shared.calibrate(n_ctx, target_s, None, n_tokens)
         if draft_token_s is not None and "model" in self.per:
-            self.per["model"].calibrate(n_ctx, verify_one_s, draft_token_s)
+            self.per["model"].calibrate(n_ctx, target_s, draft_token_s)
 
     @property
     def n_calibrations(self) -> int:

@@ -43,10 +43,9 @@ def test_the_attention_path_reaches_llama_cpp(tiny_target, flag, shown):
     assert any(line.split("=")[-1].strip() == shown for line in lines), lines
 
 
-def test_bench_records_the_attention_path_of_each_model(tiny_target, tiny_close, monkeypatch):
-    from typer.testing import CliRunner
-
-    from specq.cli.main import app
+@pytest.fixture
+def contexts_seen(monkeypatch) -> list[tuple[str, str]]:
+    """(name, flash_attn) of every llama.cpp context the engine creates while the test runs."""
     from specq.native import engine
 
     seen = []
@@ -57,6 +56,15 @@ def test_bench_records_the_attention_path_of_each_model(tiny_target, tiny_close,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine._ffi, "Context", spy)
+    return seen
+
+
+def test_bench_records_the_attention_path_of_each_model(tiny_target, tiny_close, contexts_seen):
+    from typer.testing import CliRunner
+
+    from specq.cli.main import app
+
+    seen = contexts_seen
     base = ["bench", "--target", str(tiny_target), "--draft", str(tiny_close), "--n-predict", "4", "--threads", "1",
             "--json", "-", "-q", "--ngl", "0", "--ngl-draft", "0"]
     for extra, want in (([], "off"), (["--flash-attn", "on"], "on")):
@@ -68,17 +76,10 @@ def test_bench_records_the_attention_path_of_each_model(tiny_target, tiny_close,
         assert set(seen) == {("target", want), ("draft", want)}
 
 
-def test_the_engine_applies_the_same_rule_when_called_directly(tiny_target, tiny_close, monkeypatch):
+def test_the_engine_applies_the_same_rule_when_called_directly(tiny_target, tiny_close, contexts_seen):
     from specq.native import engine
 
-    seen = []
-    real = engine._ffi.Context
-
-    def spy(*args, **kwargs):
-        seen.append((kwargs.get("name"), kwargs.get("flash_attn")))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(engine._ffi, "Context", spy)
+    seen = contexts_seen
     with engine.Engine(tiny_target, tiny_close, ctx=128, threads=1):
         pass
     with engine.Engine(tiny_target, tiny_close, ctx=128, threads=1, flash_attn="on", draft_flash_attn="auto"):
