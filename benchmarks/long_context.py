@@ -14,7 +14,10 @@ sides use the same build of the same code; `--llama-bench-own-libs` keeps its CM
 
     python benchmarks/long_context.py --json benchmarks/results/long_context.json \
         [--pairs demo,deep] [--lengths 512,2048,4096,8192] [--n-predict 48] [--repeat 3] [--threads 2] \
-        [--fixed 2,4] [--llama-bench /tmp/llama-build/bin/llama-bench]
+        [--fixed 2,4] [--llama-bench /tmp/llama-build/bin/llama-bench] [--draft-ctx 0,512] [--task retrieval]
+
+`--task retrieval` ends each prompt with a request to quote the document's first paragraphs, so that the answer
+copies from thousands of tokens back: the case where a draft window (`--draft-ctx N`) must lose acceptance.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ MODULES = ("argparse", "subprocess", "typing", "collections", "json", "asyncio",
            "sqlite3", "functools", "itertools", "inspect", "pickle", "random", "statistics", "textwrap", "string",
            "shutil", "tempfile", "heapq", "bisect", "enum", "dataclasses", "contextlib", "abc", "io", "os", "sys")
 TAIL = 16  # the prompt's last tokens, evaluated by each run (the turn's new text)
+# --task retrieval: the document is followed by a request whose answer copies from its beginning, thousands of
+# tokens back (where a draft window cannot see)
+QUESTION = "\n\nQuote the first two paragraphs of the text above, word for word.\n\nThe text begins:"
 
 
 def real_text() -> str:
@@ -58,6 +64,17 @@ def pairs(names: list[str]) -> dict[str, tuple[Path, Path]]:
     for name in names:
         out[name] = demo_pair() if name == "demo" else deep_pair()
     return out
+
+
+def prompt_of(eng: Engine, text: str, n: int, task: str) -> list[int]:
+    """The first n tokens of the text (continue), or its first n - len(question) tokens and the question."""
+    toks = eng.tokenize(text)
+    if len(toks) < n:
+        raise SystemExit(f"the text has {len(toks)} tokens, fewer than {n}")
+    if task == "continue":
+        return toks[:n]
+    q = eng.tokenize(QUESTION, add_special=False)
+    return toks[:n - len(q)] + q
 
 
 def run_length(eng: Engine, toks: list[int], modes: list, n_predict: int, repeat: int, log) -> dict:
@@ -144,6 +161,8 @@ def main() -> None:
     ap.add_argument("--draft-ctx", default="0",
                     help="draft contexts to compare, comma-separated: 0 = the target's (the whole prompt), N = a "
                          "window of the last N tokens (--ctx-draft); each is its own entry, <pair>@window<N>")
+    ap.add_argument("--task", choices=("continue", "retrieval"), default="continue",
+                    help="continue the text (default), or answer a request to quote its beginning")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -151,7 +170,10 @@ def main() -> None:
     text = real_text()
     doc = {"command": " ".join(["python", "benchmarks/long_context.py", *sys.argv[1:]]), "machine": machine(),
            "n_predict": a.n_predict, "repeat": a.repeat, "threads": a.threads, "tail_tokens": TAIL,
-           "flash_attn": a.flash_attn, "prompt_source": "docstrings of " + ",".join(MODULES), "pairs": {}}
+           "flash_attn": a.flash_attn, "prompt_source": "docstrings of " + ",".join(MODULES), "task": a.task,
+           "pairs": {}}
+    if a.task == "retrieval":
+        doc["question"] = QUESTION
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -164,14 +186,12 @@ def main() -> None:
                                      "lengths": {}}
         with Engine(target, draft, ctx=max(lengths) + a.n_predict + 64, threads=a.threads,
                     flash_attn=a.flash_attn, draft_ctx=window or None) as eng:
-            toks_all = eng.tokenize(text)
-            if len(toks_all) < max(lengths):
-                raise SystemExit(f"the text has {len(toks_all)} tokens, fewer than {max(lengths)}")
             entry["target_flash_attn"] = a.flash_attn
             for n in lengths:
                 log(f"{key} {n} tokens")
                 t0 = time.perf_counter()
-                entry["lengths"][str(n)] = run_length(eng, toks_all[:n], modes, a.n_predict, a.repeat, log)
+                entry["lengths"][str(n)] = run_length(eng, prompt_of(eng, text, n, a.task), modes, a.n_predict,
+                                                      a.repeat, log)
                 entry["lengths"][str(n)]["wall_s"] = time.perf_counter() - t0
         if a.llama_bench and not window:
             log(f"{name}: llama-bench")

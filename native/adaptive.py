@@ -42,6 +42,7 @@ class _Costs:
     v_mean: dict[int, float] = field(default_factory=dict)  # verify batch size → running mean
     line: tuple[float, float] | None = None  # (intercept, slope) of V(b) over the measured batches
     ctx_one: float = 0.0  # the mean context of the single-token verifies measured
+    t_catchup: float | None = None  # per token of a long catch-up (tokens decoded while another drafted)
 
 
 @dataclass(frozen=True)
@@ -61,19 +62,20 @@ class AdaptiveSnapshot:
 
 
 def best_draft_length(alphas, t_draft: float, verify_s, overhead: float = 0.0,
-                      t_first: float | None = None) -> tuple[int, float]:
+                      t_first: float | None = None, per_token: float = 0.0) -> tuple[int, float]:
     """(k, tokens/s) maximising E(k)/T(k) over k = 0..len(alphas); alphas are conditional per position.
 
-    A step drafting k tokens costs t_first + (k-1)·t_draft of drafting (t_first defaults to t_draft)."""
+    A step drafting k tokens costs t_first + (k-1)·t_draft of drafting (t_first defaults to t_draft), and
+    per_token for each token it emits (what another drafter will pay to catch up on them)."""
     first = t_draft if t_first is None else t_first
-    best_k, best = 0, 1.0 / (verify_s(1) + overhead)
+    best_k, best = 0, 1.0 / (verify_s(1) + overhead + per_token)
     tokens, prod = 1.0, 1.0
     for k, a in enumerate(alphas, start=1):
         prod *= a
         if prod < 1e-4:
             break
         tokens += prod
-        rate = tokens / (first + (k - 1) * t_draft + verify_s(k + 1) + overhead)
+        rate = tokens / (first + (k - 1) * t_draft + verify_s(k + 1) + overhead + per_token * tokens)
         if rate > best:
             best_k, best = k, rate
     return best_k, best
@@ -117,6 +119,8 @@ class AdaptiveDraft:
         self.plain_streak = 0
         self.n_plain_steps = 0
         self.n_probes = 0
+        self.n_catchups = 0  # long catch-ups measured (catchup_s)
+        self.n_seeds = 0  # prompts whose agreement seeded the acceptance prior (seed_acceptance)
 
     # -- context ----------------------------------------------------------------------------------
     def _band(self, band: int) -> _Costs:
@@ -263,6 +267,30 @@ class AdaptiveDraft:
             return self.draft_s()
         return c.t_first
 
+    def catchup_s(self) -> float:
+        """Seconds per token of a long catch-up: what each token emitted while another drafter (or plain
+        decoding) ran costs this drafter when it drafts next. Measured at this context (else the nearest), else
+        the first token's cost scaled as the target's batches grow: one more row's share of a single token."""
+        c = self._c if self._c.t_catchup is not None else self._nearest(lambda c: c.t_catchup is not None)
+        if c is not None:
+            return c.t_catchup
+        one = self.verify_one_s()
+        row = (self.verify_s(5) - self.verify_s(2)) / 3.0
+        return self.first_s() * min(max(row / one, 0.0), 1.0)
+
+    def wants_agreement(self) -> bool:
+        """Whether prompt agreement would inform the next choice (seed_acceptance): while evidence is thin."""
+        return self.thin_evidence()
+
+    def seed_acceptance(self, n_agree: int, n: int) -> None:
+        """Evidence from the prompt before a draft was tried: of n prompt positions, n_agree where the drafter's
+        greedy choice equals the target's (teacher-forced acceptance). It moves the acceptance prior, which
+        the steps' own outcomes then outweigh; a pair that agrees drafts from the first step even where
+        drafting pays only at high acceptance (long context, a draft nearly as dear as the target)."""
+        if n > 0:
+            self.alpha_prior = (n_agree + 2.0 * self.alpha_prior) / (n + 2.0)
+            self.n_seeds += 1
+
     def expected(self, limit: int) -> tuple[int, float]:
         """(best k ≤ limit, its expected tokens per second)."""
         return best_draft_length(self.alphas()[:limit], self.draft_s(), self.verify_s, self.overhead,
@@ -300,10 +328,17 @@ class AdaptiveDraft:
         return best_draft_length([1.0] * limit, self.draft_s(), self.verify_s, self.overhead, self.first_s())[0] > 0
 
     def observe(self, n_drafted: int, n_accepted: int, draft_token_s: float | None, verify_s: float,
-                overhead_s: float, draft_s: float | None = None, first_token_s: float | None = None) -> None:
+                overhead_s: float, draft_s: float | None = None, first_token_s: float | None = None,
+                catchup: tuple[int, float] | None = None) -> None:
         """Record one step: `draft_token_s` is the measured seconds per drafted token after the first and
         `first_token_s` the seconds to the first (None: not measured cleanly); `draft_s` the step's whole
-        drafting time (with the draft's catch-up after plain steps)."""
+        drafting time (with the draft's catch-up after plain steps); `catchup`: (n tokens, seconds) of a long
+        catch-up and the first drafted token together (the first token's own cost is taken off)."""
+        if catchup is not None and catchup[0] > 2:
+            n, sec = catchup
+            c = self._c
+            c.t_catchup = self._mean(c.t_catchup, max(sec - self.first_s(), 0.0) / (n - 1))
+            self.n_catchups += 1
         if self._probing:
             # A probe after a plain stretch also pays the draft's catch-up: space probes so that their
             # extra cost stays within probe_budget of plain decoding.
@@ -387,6 +422,7 @@ class AdaptiveDrafters:
         self.explore_interval = {name: probe_min for name in self.per}  # see _explore
         self.n_steps = 0
         self.n_chosen = {name: 0 for name in self.per}
+        self.n_charged = 0  # steps chosen with a drafter's catch-up charged to the others (see choose)
 
     def at(self, n_ctx: int) -> None:
         """The next steps run at a context of n_ctx tokens (AdaptiveDraft.at, for every drafter)."""
@@ -402,6 +438,18 @@ class AdaptiveDrafters:
         if draft_token_s is not None and "model" in self.per:
             self.per["model"].calibrate(n_ctx, target_s, draft_token_s)
 
+    def wants_agreement(self) -> bool:
+        """Whether the draft model's prompt agreement would inform the next choice (AdaptiveDraft's)."""
+        return "model" in self.per and self.per["model"].wants_agreement()
+
+    def seed_acceptance(self, n_agree: int, n: int) -> None:
+        """The draft model's prompt agreement (AdaptiveDraft.seed_acceptance)."""
+        self.per["model"].seed_acceptance(n_agree, n)
+
+    @property
+    def n_seeds(self) -> int:
+        return self.per["model"].n_seeds if "model" in self.per else 0
+
     @property
     def n_calibrations(self) -> int:
         return self.shared.n_calibrations
@@ -412,22 +460,39 @@ class AdaptiveDrafters:
 
     def choose(self, limits: dict[str, int]) -> tuple[str | None, int]:
         """(drafter, draft length) for the next step, or (None, 0) for plain decoding; limits: the most each
-        available drafter may draft now (an n-gram proposal is only as long as what followed its match)."""
+        available drafter may draft now (an n-gram proposal is only as long as what followed its match).
+
+        A drafter with a memory of the text (a draft model, an MTP head) must later decode every token emitted
+        without it: while it would beat plain decoding, each token another drafter or plain decoding emits is
+        charged its catch-up cost (catchup_s), so that a cheap n-gram step is not taken for free when it only
+        moves work to the model's next step."""
         self.n_steps += 1
         sh = self.shared
-        best, best_k, best_rate = None, 0, 1.0 / (sh.verify_s(1) + sh.overhead)
+        own = {}  # each drafter's best (k, rate) on its own costs
         for name, limit in limits.items():
-            if limit <= 0:
-                continue
-            c = self.per[name]
-            k, rate = best_draft_length(c.alphas()[:min(limit, self.cap)], c.draft_s(), sh.verify_s, sh.overhead,
-                                        c.first_s())
+            if limit > 0:
+                c = self.per[name]
+                own[name] = best_draft_length(c.alphas()[:min(limit, self.cap)], c.draft_s(), sh.verify_s,
+                                              sh.overhead, c.first_s())
+        plain = 1.0 / (sh.verify_s(1) + sh.overhead)
+        # the drafters that would be used (they beat plain decoding) and keep a memory to catch up
+        keep = {n: self.per[n].catchup_s() for n, (k, r) in own.items() if k > 0 and r > plain and n != "ngram"}
+        best, best_k, best_rate = None, 0, 1.0 / (sh.verify_s(1) + sh.overhead + sum(keep.values()))
+        for name, (k, rate) in own.items():
+            charge = sum(v for n, v in keep.items() if n != name)
+            if charge > 0 and k > 0:
+                c = self.per[name]
+                k, rate = best_draft_length(c.alphas()[:min(limits[name], self.cap)], c.draft_s(), sh.verify_s,
+                                            sh.overhead, c.first_s(), per_token=charge)
             if k > 0 and rate > best_rate:
                 best, best_k, best_rate = name, k, rate
+        if keep:
+            self.n_charged += 1
         if best is not None:
             self.plain_streak = 0
             self.probe_interval = self.probe_min
             self.explore_interval[best] = self.probe_min
+            self.per[best].probe_interval = self.probe_min
             other = self._explore(best, limits)
             if other is not None:
                 c = self.per[other]
@@ -437,15 +502,18 @@ class AdaptiveDrafters:
                 return self._use(other), max(k, min(self.probe_k, lim))
             return self._use(best), best_k
         self.plain_streak += 1
-        # a drafter tried too few times yet is probed every other step (AdaptiveDraft.min_evidence), the others
-        # every probe_interval steps
+        # a drafter tried too few times yet is probed every other step while the probes pay for themselves, and
+        # spaced by their measured cost when they do not (AdaptiveDraft.min_evidence, thin_gap); the others every
+        # probe_interval steps (or the drafter's own, longer when its probes cost more than probe_budget)
         due = [n for n, lim in limits.items() if lim > 0 and self.per[n]._could_pay(min(lim, self.cap))
-               and self.plain_streak > (1 if self.per[n].thin_evidence() else self.probe_interval)]
+               and self.plain_streak > (self.per[n].thin_gap if self.per[n].thin_evidence()
+                                        else max(self.probe_interval, self.per[n].probe_interval))]
         if due:
             self.plain_streak = 0
             name = min(due, key=lambda n: self.last_used[n])
             if not self.per[name].thin_evidence():
                 self.probe_interval = min(2 * self.probe_interval, self.probe_max)
+            self.per[name]._probing = True
             self.n_probes += 1
             return self._use(name), min(self.probe_k, limits[name], self.cap)
         self.n_plain_steps += 1
@@ -475,12 +543,12 @@ class AdaptiveDrafters:
 
     def observe(self, drafter: str | None, n_drafted: int, n_accepted: int, draft_token_s: float | None,
                 verify_s: float, overhead_s: float, draft_s: float | None = None,
-                first_token_s: float | None = None) -> None:
+                first_token_s: float | None = None, catchup: tuple[int, float] | None = None) -> None:
         """Record one step (drafter None: plain decoding); the arguments as AdaptiveDraft.observe's."""
         self.shared.observe(n_drafted, n_accepted, None, verify_s, overhead_s)
         if drafter is not None and n_drafted:
             self.per[drafter].observe(n_drafted, n_accepted, draft_token_s, verify_s, overhead_s, draft_s,
-                                      first_token_s)
+                                      first_token_s, catchup)
 
     def snapshot(self, limit: int | None = None) -> AdaptiveSnapshot:
         """The snapshot of the drafter chosen most often (costs and plain steps as measured for all)."""

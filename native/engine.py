@@ -32,6 +32,8 @@ log = logging.getLogger("specq.engine")
 DRAFT_MAX_CAP = 64
 # `draft_max="auto"`: the adaptive controller picks each step's length in 0..AUTO_DRAFT_CAP.
 AUTO_DRAFT_CAP = 16
+AGREE_TOKENS = 32  # prompt rows compared between target and draft before the first draft (Session.prefill's agree)
+AGREE_MIN = 4
 MIN_DRAFT_WINDOW = 2 * (DRAFT_MAX_CAP + 2)  # a window slides to half its size, leaving room for a whole draft
 ACCEPT_MODES = ("auto", "match", "rejection")
 
@@ -357,7 +359,7 @@ class Engine:
                                         n_rs_seq=rollback_tokens if self.target.is_recurrent_or_hybrid else 0,
                                         flash_attn=flash_attn)
             self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,
-                                         n_batch=draft_n_batch or n_batch, n_outputs_max=1, name="draft",
+                                         n_batch=draft_n_batch or n_batch, n_outputs_max=AGREE_TOKENS, name="draft",
                                          flash_attn=draft_flash_attn)
                             if self.draft is not None else None)
             if mtp is not False and self.target.n_layer_nextn > 0:
@@ -430,6 +432,7 @@ class _Step:
     first_token_s: float | None = None  # seconds to the first drafted token (catch-up included), where clean
     draft_token_s: float | None = None  # seconds per further drafted token, where measured
     drafter: str | None = None  # who proposed this step's drafts ("model", "ngram", "mtp")
+    catchup: tuple[int, float] | None = None  # a long catch-up: (tokens, seconds with the first drafted token)
 
 
 class _Sampling:
@@ -466,6 +469,7 @@ class Session:
         self.dft = (_Cache(engine.dft_ctx, partial_rm=not engine.draft.is_recurrent_or_hybrid)
                     if engine.dft_ctx is not None else None)
         self.mtp = MtpDrafter(engine.mtp_ctx, self.history) if engine.mtp_ctx is not None else None
+        self.agreement: tuple[int, int] | None = None  # the last prefill's (see prefill's agree)
         self.reset()
 
     def reset(self) -> None:
@@ -591,8 +595,9 @@ class Session:
             dft.extend([got[0]], logits="last")
         # first + (k-1)·per_token is the step's drafting time: the catch-up decode yields the first token
         first = t_loop - t_start if drafts and catchup <= 2 else None
+        long_catchup = (catchup, t_loop - t_start) if drafts and catchup > 2 else None
         per_token = (clock() - t_loop) / (len(drafts) - 1) if len(drafts) >= 2 else None
-        return drafts, dists, (first, per_token)
+        return drafts, dists, (first, per_token, long_catchup)
 
     def _draft_mtp(self, n_max: int, p_min: float, samp: "_Sampling") -> tuple[list[int], list[SparseDist], tuple]:
         """Draft with the target's MTP head, as _draft does with a draft model (same picking, same timings)."""
@@ -602,7 +607,8 @@ class Session:
             self.tgt.truncate(a)
             self.tgt.extend(self.history[len(self.tgt.tokens):-1], logits="none")
             mtp.n_redecodes += 1
-        if len(self.history) - len(mtp.tokens) > 2:  # a long catch-up (after plain steps) is prefill-like:
+        t_catchup, catchup = clock(), len(self.history) - len(mtp.tokens)
+        if catchup > 2:  # a long catch-up (after plain steps) is prefill-like:
             mtp.catch_up(len(self.history) - 1)      # decoded apart, so the first token's cost stays clean
         t_first = clock()
         mtp.begin()
@@ -623,8 +629,9 @@ class Session:
         finally:
             mtp.end()
         first = t_loop - t_first if drafts else None
+        long_catchup = (catchup, t_loop - t_catchup) if drafts and catchup > 2 else None
         per_token = (clock() - t_loop) / (len(drafts) - 1) if len(drafts) >= 2 else None
-        return drafts, dists, (first, per_token)
+        return drafts, dists, (first, per_token, long_catchup)
 
     def _propose(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int,
                  drafters: tuple[str, ...] | None = None) -> tuple:
@@ -635,12 +642,12 @@ class Session:
             if name == "ngram":
                 drafts = propose(self.history, s.ngram_min, s.ngram_max, n_draft_max)
                 if drafts:
-                    return drafts, [point_mass(t) for t in drafts] if samp.draft_tf else [], (None, None), name
+                    return drafts, [point_mass(t) for t in drafts] if samp.draft_tf else [], (None, None, None), name
             elif name == "mtp" and self.mtp is not None:
                 return (*self._draft_mtp(n_draft_max, s.p_min, samp), name)
             elif name == "model" and self.dft is not None:
                 return (*self._draft(n_draft_max, s.p_min, samp), name)
-        return [], [], (None, None), None
+        return [], [], (None, None, None), None
 
     def _step(self, s: GenerationSettings, samp: "_Sampling", n_draft_max: int,
               drafters: tuple[str, ...] | None = None) -> "_Step":
@@ -669,7 +676,8 @@ class Session:
                 if i == len(drafts) or tok != drafts[i]:
                     break
         t2 = clock()
-        return _Step(emitted, len(drafts), t1 - t0, t2 - t1, *costs, drafter=drafter)
+        first, per_token, catchup = costs
+        return _Step(emitted, len(drafts), t1 - t0, t2 - t1, first, per_token, drafter=drafter, catchup=catchup)
 
     def _rewind(self) -> None:
         """Roll both memories back to the committed history (the target holds all but the last token)."""
@@ -701,14 +709,17 @@ class Session:
 
     # ==== generation ============================================================================
     def prefill(self, new_tokens: list[int],
-                timed: Callable[[int, int], list[tuple[int, int]]] | None = None) -> list[tuple]:
+                timed: Callable[[int, int], list[tuple[int, int]]] | None = None,
+                agree: int = 0) -> list[tuple]:
         """Append tokens to the history and evaluate all but the last on both models.
 
         `timed(first, last)`: spans (position, n_tokens) among the new ones (first..last-1 may be evaluated) to
         decode alone and time: (position, n_tokens, target seconds, draft seconds or None) is returned for each,
         what a decode of that many tokens costs the target at that context (with every row's logits, as a
-        verify) and, for single tokens, what one costs the draft. The tokens and positions decoded are the same
-        either way."""
+        verify) and, for single tokens, what one costs the draft. `agree`: up to that many new tokens just
+        before the timed spans are decoded with every row's logits on both models, and `self.agreement` is set
+        to (rows where the draft's greedy choice is the target's, rows compared); None where none were. The
+        tokens and positions decoded are the same either way."""
         if not new_tokens:
             raise UsageError("empty prompt; give some text to start from")
         total = len(self.history) + len(new_tokens)
@@ -717,6 +728,7 @@ class Session:
                 f"prompt does not fit in the context ({total} tokens, ctx {self.n_ctx}); "
                 "use a larger --ctx or a shorter prompt")
         self.history.extend(new_tokens)
+        self.agreement = None
         try:
             self._rewind()
             hist, clock = self.history, self.engine.clock
@@ -726,6 +738,15 @@ class Session:
                 if pos >= end and n >= 1 and pos + n <= last:  # in order, not overlapping
                     spans.append((pos, n))
                     end = pos + n
+            if agree > 0 and self.dft is not None:
+                # just before the timed spans that end the prompt (and after any earlier one)
+                i, stop = len(spans), last
+                while i > 0 and sum(spans[i - 1]) == stop:
+                    i -= 1
+                    stop = spans[i][0]
+                start = max(sum(spans[i - 1]) if i else len(self.tgt.tokens), stop - agree)
+                if stop - start >= AGREE_MIN:
+                    spans.insert(i, (start, -(stop - start)))  # n < 0: an agreement span
             out = []
             for pos, n in spans + [(last, 0)]:
                 self.tgt.extend(hist[len(self.tgt.tokens):pos], logits="none")
@@ -734,6 +755,9 @@ class Session:
                     self.dft.extend(hist[self.dft.offset + len(self.dft.tokens):pos], logits="none")
                 if n == 0:
                     break
+                if n < 0:
+                    self._agree(pos, -n)
+                    continue
                 t0 = clock()
                 self.tgt.extend(hist[pos:pos + n], logits="last" if n == 1 else "all")
                 t1 = clock()
@@ -747,6 +771,20 @@ class Session:
             del self.history[-len(new_tokens):]
             self._rewind()
             raise
+
+    def _agree(self, pos: int, n: int) -> None:
+        """Decode history[pos:pos+n] on both models with every row's logits and count the rows where the draft's
+        greedy choice is the target's (self.agreement): teacher-forced greedy acceptance on the prompt."""
+        self._fit_draft(pos + n)
+        toks = self.history[pos:pos + n]
+        self.tgt.extend(toks, logits="all")
+        want = self.tgt.ctx.logits(n).argmax(axis=1)
+        if self.dft.offset + len(self.dft.tokens) != pos:  # the draft's window moved on: decode the rest plainly
+            self.dft.extend(self.history[self.dft.offset + len(self.dft.tokens):pos + n], logits="none")
+            return
+        self.dft.extend(toks, logits="all")
+        got = self.dft.ctx.logits(n).argmax(axis=1)
+        self.agreement = (int(np.count_nonzero(got == want)), n)
 
     def generate(self, new_tokens: list[int], settings: GenerationSettings,
                  speculative: bool = True) -> "Generation":
@@ -859,12 +897,17 @@ class Generation:
         tp0 = self._clock()
         # Where nothing was measured at this context yet, the prefill times single tokens on each model, so
         # that the first step is priced at this context (at thousands of tokens attention changes the costs).
+        # Before the draft model was tried enough, the prefill also compares its greedy choices with the target's
+        # over the prompt's last rows (greedy decoding: acceptance is exactly that agreement).
+        agree = AGREE_TOKENS if ctrl is not None and with_draft and s.temp <= 0 and ctrl.wants_agreement() else 0
         timed = ses.prefill(self.new_tokens,
                             timed=(lambda first, last: ctrl.calibration_points(first, last, with_draft))
-                            if ctrl is not None else None)
+                            if ctrl is not None else None, agree=agree)
         p.prompt_s = self._clock() - tp0
         for pos, n, target_s, draft_s in timed:
             ctrl.calibrate(pos, target_s, draft_s, n)
+        if ses.agreement is not None:
+            ctrl.seed_acceptance(*ses.agreement)
 
         samp = self._samp = _Sampling(s, self.speculative)
         if ctrl is not None:
@@ -929,7 +972,8 @@ class Generation:
                 ses._rewind()
                 if ctrl is not None:
                     args = (step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
-                            self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s, step.first_token_s)
+                            self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s, step.first_token_s,
+                            step.catchup)
                     if auto_drafter:
                         ctrl.observe(step.drafter, *args)
                     else:

@@ -237,9 +237,10 @@ def long_prompt(e, n_tokens: int) -> list[int]:
 def test_at_long_context_the_first_step_is_plain_when_the_measured_costs_make_drafting_a_loss(deep_target,
                                                                                                 tiny_target):
     # The draft is 1/12 of the target's weights (the prior says: draft), but at 1,500 tokens of context a
-    # token's attention (15 ms here) makes the draft cost 17 ms against the target's 35 ms, and a 2-token
-    # verify 66 ms: drafting loses even when every draft is accepted. Short prompts still draft.
-    clock = SimulatedClock(context_costs(attn_ms_per_row_token=0.01))
+    # token's attention (22.5 ms here) makes the draft cost 24.5 ms against the target's 42.5 ms, and a 2-token
+    # verify 75 ms: drafting loses even when every draft is accepted (at best, 16 drafted: 20.6 tokens/s
+    # against 23.5 plain), and the draft agrees with the target on the prompt. Short prompts still draft.
+    clock = SimulatedClock(context_costs(attn_ms_per_row_token=0.015))
     auto = GenerationSettings(n_predict=16, draft_max="auto")
     with Engine(deep_target, tiny_target, ctx=2048, threads=1, clock=clock) as e:
         fresh = e.session()
@@ -318,3 +319,33 @@ def test_probes_on_thin_evidence_are_spaced_out_when_they_cost():
                   draft_s=0.008 * k if k else None, first_token_s=0.008 if k else None)
     assert 0 < c.n_probes <= 4 and c.n_plain_steps >= 50
     assert c.thin_gap > 1  # the mechanism ran: the last probe set a gap
+
+
+def test_prompt_agreement_lets_a_pair_that_agrees_draft_from_the_first_step(deep_target, tiny_target, tiny_unrelated,
+                                                                            monkeypatch):
+    # At 1,500 tokens (attention 6 ms a token here) drafting pays only at high acceptance: at the prior's 75%
+    # plain decoding wins (35.6 against 38.5 tokens/s at best), at 97% drafting wins (51.5). The prefill compares
+    # the draft's greedy choices with the target's on the prompt's last rows: a draft that agrees drafts at
+    # once, an unrelated one does not.
+    import specq.native.engine as engine_mod
+
+    auto = GenerationSettings(n_predict=16, draft_max="auto")
+    clock = SimulatedClock(context_costs(attn_ms_per_row_token=0.004))
+    with Engine(deep_target, tiny_target, ctx=2048, threads=1, clock=clock) as e:
+        ses = e.session()
+        drafted, plain = first_step(ses, long_prompt(e, 1500), auto)
+        agree, n = ses.agreement
+        assert n == engine_mod.AGREE_TOKENS and agree >= 0.9 * n
+        assert ses.controller(auto).n_seeds == 1 and drafted > 0 and plain == 0
+
+        monkeypatch.setattr(engine_mod, "AGREE_TOKENS", 0)  # the mechanism off: the prior alone goes plain
+        ses = e.session()
+        drafted, plain = first_step(ses, long_prompt(e, 1500), auto)
+        assert ses.agreement is None and ses.controller(auto).n_seeds == 0 and (drafted, plain) == (0, 1)
+    monkeypatch.undo()
+
+    with Engine(deep_target, tiny_unrelated, ctx=2048, threads=1, clock=clock) as e:
+        ses = e.session()
+        drafted, plain = first_step(ses, long_prompt(e, 1500), auto)
+        agree, n = ses.agreement
+        assert agree <= 0.5 * n and ses.controller(auto).n_seeds == 1 and (drafted, plain) == (0, 1)

@@ -179,3 +179,70 @@ def test_a_drafter_that_lost_early_is_tried_again_when_the_text_changes():
             late[name] = late.get(name, 0) + 1
     assert late.get("ngram", 0) > 0.8 * 100, late
     assert c.n_probes > 0
+
+
+def _controller_after_mixed_steps() -> AdaptiveDrafters:
+    """A controller that measured a good, dear draft model (99%+ of 8 accepted; 11 ms to its first token, 10 ms
+    per further one, 4 ms per token of a long catch-up) and n-grams right about 70% of the time, at no drafting
+    cost; verify 20 ms + 2 ms per row. On its own costs an n-gram step of 3 (2.5 tokens in 28 ms) beats the model
+    (8.6 tokens in 119 ms); charged the 4 ms per token the model will spend catching up, it loses."""
+    c = AdaptiveDrafters(16, {"model": 0.5, "ngram": 0.01})
+    verify = lambda b: (20.0 + 2.0 * b) / 1e3  # noqa: E731
+    ngram_accepted = [3, 1, 0, 2, 3, 1, 3, 2, 0, 3]
+    backlog = 1
+    for i in range(40):
+        c.choose({"model": 16, "ngram": 3})
+        if i % 4 == 3:
+            a = ngram_accepted[(i // 4) % len(ngram_accepted)]
+            c.observe("ngram", 3, a, None, verify(4), 0.0, 0.0, None)
+            backlog += a + 1
+        else:
+            catchup = (backlog, 0.011 + (backlog - 1) * 0.004) if backlog > 2 else None
+            c.observe("model", 8, 8, 0.010, verify(9), 0.0, 0.081, None if catchup else 0.011, catchup)
+            backlog = 2
+    return c
+
+
+def test_an_ngram_step_is_charged_the_draft_models_catch_up():
+    c = _controller_after_mixed_steps()
+    model = c.per["model"]
+    assert model.n_catchups > 0 and model.catchup_s() == pytest.approx(0.004)
+    assert c.choose({"model": 16, "ngram": 3})[0] == "model"
+    assert c.n_charged > 0
+
+
+def test_without_the_catch_up_charge_the_ngram_step_would_win(monkeypatch):
+    # the counterpart of the test above: the same evidence with the charge taken away picks the n-grams, so the
+    # choice above is the charge's doing
+    from specq.native.adaptive import AdaptiveDraft
+    monkeypatch.setattr(AdaptiveDraft, "catchup_s", lambda self: 0.0)
+    c = _controller_after_mixed_steps()
+    assert c.choose({"model": 16, "ngram": 3})[0] == "ngram"
+
+
+def test_auto_measures_the_draft_models_catch_up_in_the_engine(tiny_target):
+    """Draft = target (all accepted) on a text that repeats: n-gram steps leave the model tokens to catch up on,
+    and the engine hands their cost to the controller; the output stays the target's."""
+    clock = SimulatedClock(cpu_like_costs(target_one_ms=10.0, draft_ms=3.0))
+    with Engine(tiny_target, tiny_target, ctx=1024, threads=1, clock=clock) as e:
+        toks = e.tokenize("def fibonacci(n):")
+        base = e.session().generate(toks, GenerationSettings(n_predict=160), speculative=False).run()
+        g = e.session().generate(toks, GenerationSettings(n_predict=160, drafter="auto")).run()
+    assert g.tokens == base.tokens and len(set(base.tokens)) > 50
+    by, acc = dict(g.stats.n_drafted_by), dict(g.stats.n_accepted_by)
+    assert by.get("model", 0) > 0 and acc["model"] == by["model"]
+    assert by.get("ngram", 0) > 0
+    assert g.controller.per["model"].n_catchups > 0 and g.controller.n_charged > 0
+
+
+def test_auto_spaces_its_probes_on_thin_evidence_when_they_cost():
+    # As test_adaptive's test of the same name, with the drafter chosen by auto: a useless, dear draft model
+    # (8 ms a token against 20 ms plain). Every-other-step probing would spend ~30 probes in 60 steps; spaced by
+    # the drafter's measured probe cost, a few.
+    c = AdaptiveDrafters(8, {"model": 0.4})
+    for _ in range(60):
+        name, k = c.choose({"model": 8})
+        c.observe(name, k, 0, 0.008 if k > 1 else None, (20.0 if k == 0 else 26.0 + k) / 1e3, 0.0,
+                  0.008 * k if k else None, 0.008 if k else None)
+    assert 0 < c.n_probes <= 4 and c.n_plain_steps >= 50
+    assert c.per["model"].thin_gap > 1  # the mechanism ran: the last probe set a gap

@@ -168,7 +168,6 @@ def test_amx_off_sends_repackable_weights_to_the_repack_buffer_by_name(tiny_q4_0
 
     if "CPU_REPACK" not in _ffi.cpu_extra_buffer_types():
         pytest.fail("this llama.cpp build has no CPU_REPACK buffer; the policy would report extra_buffers=off")
-    on, on_log, _ = _load_and_decode(tiny_q4_0, "on")
     amx_off, amx_log, n_patterns = _load_and_decode(tiny_q4_0, "amx-off")
     off, off_log, n_off = _load_and_decode(tiny_q4_0, "off")
     assert n_patterns > 0 and n_off == 0  # the mechanism ran
@@ -176,7 +175,12 @@ def test_amx_off_sends_repackable_weights_to_the_repack_buffer_by_name(tiny_q4_0
     assert any("overridden to CPU_REPACK" in line for line in amx_log)
     assert any(repack_buffer.search(line) for line in amx_log)
     assert not any(repack_buffer.search(line) for line in off_log)
-    assert len(set(on)) > 3 and amx_off == on == off  # same greedy output whichever buffer holds the weights
+    assert len(set(off)) > 3 and amx_off == off  # same greedy output whichever buffer holds the weights
+    # llama.cpp's own choice ("on") too, except where it is the crash the policy avoids: an AMX build on an AMX CPU
+    flags = cpu.cpu_flags() or ()
+    if not (cpu.system_info_flag(_ffi.system_info(), "AMX_INT8") and any(f in flags for f in cpu.AMX_CPU_FLAGS)):
+        on, _, _ = _load_and_decode(tiny_q4_0, "on")
+        assert on == off
 
 
 def test_cpu_amx_flag_reaches_the_engine(tiny_target, tiny_close, monkeypatch):
