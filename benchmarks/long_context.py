@@ -14,10 +14,10 @@ sides use the same build of the same code; `--llama-bench-own-libs` keeps its CM
 
     python benchmarks/long_context.py --json benchmarks/results/long_context.json \
         [--pairs demo,deep] [--lengths 512,2048,4096,8192] [--n-predict 48] [--repeat 3] [--threads 2] \
-        [--fixed 2,4] [--llama-bench /tmp/llama-build/bin/llama-bench] [--draft-ctx 0,512] [--task retrieval]
+        [--fixed 2,4] [--llama-bench /tmp/llama-build/bin/llama-bench] [--draft-ctx default,0] [--task retrieval]
 
 `--task retrieval` ends each prompt with a request to quote the document's first paragraphs, so that the answer
-copies from thousands of tokens back: the case where a draft window (`--draft-ctx N`) must lose acceptance.
+copies from thousands of tokens back: the case where a draft window (specq's default) must lose acceptance.
 """
 
 from __future__ import annotations
@@ -158,9 +158,10 @@ def main() -> None:
     ap.add_argument("--llama-bench-repeat", type=int, default=2)
     ap.add_argument("--llama-bench-own-libs", action="store_true",
                     help="run llama-bench on the libraries of its own build (default: the wheel's, like for like)")
-    ap.add_argument("--draft-ctx", default="0",
-                    help="draft contexts to compare, comma-separated: 0 = the target's (the whole prompt), N = a "
-                         "window of the last N tokens (--ctx-draft); each is its own entry, <pair>@window<N>")
+    ap.add_argument("--draft-ctx", default="default",
+                    help="draft contexts to compare, comma-separated: default = specq's (a window of the last "
+                         "DRAFT_WINDOW tokens), 0 = the whole prompt, N = a window of the last N tokens "
+                         "(--ctx-draft); each is its own entry: <pair>, <pair>@all, <pair>@window<N>")
     ap.add_argument("--task", choices=("continue", "retrieval"), default="continue",
                     help="continue the text (default), or answer a request to quote its beginning")
     ap.add_argument("--json", required=True)
@@ -178,14 +179,14 @@ def main() -> None:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    runs_of = [(name, tgt_dft, int(w)) for name, tgt_dft in pairs(a.pairs.split(",")).items()
-               for w in a.draft_ctx.split(",")]
+    runs_of = [(name, tgt_dft, None if w == "default" else int(w))
+               for name, tgt_dft in pairs(a.pairs.split(",")).items() for w in a.draft_ctx.split(",")]
     for name, (target, draft), window in runs_of:
-        key = f"{name}@window{window}" if window else name
-        entry = doc["pairs"][key] = {"target": target.name, "draft": draft.name, "draft_ctx": window or None,
-                                     "lengths": {}}
+        key = name if window is None else f"{name}@all" if window == 0 else f"{name}@window{window}"
         with Engine(target, draft, ctx=max(lengths) + a.n_predict + 64, threads=a.threads,
-                    flash_attn=a.flash_attn, draft_ctx=window or None) as eng:
+                    flash_attn=a.flash_attn, draft_ctx=window) as eng:
+            entry = doc["pairs"][key] = {"target": target.name, "draft": draft.name, "draft_ctx": window,
+                                         "draft_window": eng.draft_window, "lengths": {}}
             entry["target_flash_attn"] = a.flash_attn
             for n in lengths:
                 log(f"{key} {n} tokens")
@@ -193,7 +194,7 @@ def main() -> None:
                 entry["lengths"][str(n)] = run_length(eng, prompt_of(eng, text, n, a.task), modes, a.n_predict,
                                                       a.repeat, log)
                 entry["lengths"][str(n)]["wall_s"] = time.perf_counter() - t0
-        if a.llama_bench and not window:
+        if a.llama_bench and window is None:
             log(f"{name}: llama-bench")
             libs = None if a.llama_bench_own_libs else wheel_libs()
             entry["llama_bench_libs"] = "its own build" if libs is None else "the llama-cpp-python wheel's"

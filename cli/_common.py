@@ -101,10 +101,11 @@ AcceptOpt = Annotated[str, typer.Option("--accept", help="Verification at temp >
                                                          "(= rejection). Temp 0 is greedy either way.")]
 CtxOpt = Annotated[int, typer.Option("--ctx", help="Context size (tokens) for both models.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: physical cores).")]
-CtxDraftOpt = Annotated[Optional[int], typer.Option("--ctx-draft", help="The draft's context size (default: --ctx); "
-                                                                     "smaller than --ctx, the draft sees only that "
-                                                                     "many recent tokens, which keeps it cheap at "
-                                                                     "long context.")]
+CtxDraftOpt = Annotated[Optional[int], typer.Option("--ctx-draft", help="The draft's context size: smaller than "
+                                                                     "--ctx, the draft sees only that many recent "
+                                                                     "tokens, which keeps it cheap at long context "
+                                                                     "(default: 512 where --ctx is larger; 0: the "
+                                                                     "whole context).")]
 ThreadsDraftOpt = Annotated[Optional[int], typer.Option("--threads-draft", help="The draft's CPU threads "
                                                                               "(default: --threads).")]
 NglOpt = Annotated[Optional[int], typer.Option("--ngl", help="Target layers on the GPU (default: all when a GPU "

@@ -34,7 +34,10 @@ DRAFT_MAX_CAP = 64
 AUTO_DRAFT_CAP = 16
 AGREE_TOKENS = 32  # prompt rows compared between target and draft before the first draft (Session.prefill's agree)
 AGREE_MIN = 4
-MIN_DRAFT_WINDOW = 2 * (DRAFT_MAX_CAP + 2)  # a window slides to half its size, leaving room for a whole draft
+MIN_DRAFT_WINDOW = 2 * (DRAFT_MAX_CAP + 2)
+# A separate draft model sees the most recent DRAFT_WINDOW tokens by default (draft_ctx None): at long context its
+# attention would otherwise cost nearly what the target's does (docs/benchmarks.md, long context); 0: everything.
+DRAFT_WINDOW = 512  # a window slides to half its size, leaving room for a whole draft
 ACCEPT_MODES = ("auto", "match", "rejection")
 
 
@@ -332,11 +335,17 @@ class Engine:
         `flash_attn`/`draft_flash_attn`: on, off or auto: off for a model on the CPU alone, llama.cpp's choice
         elsewhere (placement.choose_flash_attn: on the CPU flash attention decodes slower at long context).
         `mtp`: True loads the target's MTP head as a drafter (a target without one is refused), None loads it
-        where the target has one (--drafter auto), False never."""
-        for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx, 16), ("--threads", threads, 1),
-                               ("--threads-draft", draft_threads, 1)):
+        where the target has one (--drafter auto), False never.
+        `draft_ctx`: the draft's context; smaller than ctx, the draft sees a window of that many recent tokens.
+        None (the default) gives a window of DRAFT_WINDOW tokens where ctx is longer, 0 the whole context."""
+        for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx or None, 16),
+                               ("--threads", threads, 1), ("--threads-draft", draft_threads, 1)):
             if v is not None and v < least:
                 raise UsageError(f"{flag} must be at least {least} ({v})")
+        if draft_ctx is not None and draft_ctx < 0:
+            raise UsageError(f"--ctx-draft must be 0 (the whole context) or at least 16 ({draft_ctx})")
+        # None: a window of DRAFT_WINDOW recent tokens where the context is longer; 0: the whole context
+        draft_ctx = min(ctx, DRAFT_WINDOW) if draft_ctx is None else (draft_ctx or ctx)
         self.threads = threads or physical_cores()
         self.draft_threads = draft_threads or self.threads
         draft_flash_attn = choose_flash_attn(draft_flash_attn or flash_attn, ngl_draft, draft_devices or devices)

@@ -242,7 +242,7 @@ def test_at_long_context_the_first_step_is_plain_when_the_measured_costs_make_dr
     # against 23.5 plain), and the draft agrees with the target on the prompt. Short prompts still draft.
     clock = SimulatedClock(context_costs(attn_ms_per_row_token=0.015))
     auto = GenerationSettings(n_predict=16, draft_max="auto")
-    with Engine(deep_target, tiny_target, ctx=2048, threads=1, clock=clock) as e:
+    with Engine(deep_target, tiny_target, ctx=2048, draft_ctx=0, threads=1, clock=clock) as e:
         fresh = e.session()
         drafted, plain = first_step(fresh, long_prompt(e, 1500), auto)
         assert (drafted, plain) == (0, 1)
@@ -265,7 +265,7 @@ def test_at_long_context_the_first_step_is_plain_when_the_measured_costs_make_dr
 def test_at_long_context_drafting_that_still_pays_starts_at_the_first_step(deep_target, tiny_target):
     # Same pair, attention 10x cheaper: 1.5 ms per token at 1,500 tokens; the draft still pays there.
     clock = SimulatedClock(context_costs(attn_ms_per_row_token=0.001))
-    with Engine(deep_target, tiny_target, ctx=2048, threads=1, clock=clock) as e:
+    with Engine(deep_target, tiny_target, ctx=2048, draft_ctx=0, threads=1, clock=clock) as e:
         ses = e.session()
         drafted, plain = first_step(ses, long_prompt(e, 1500), GenerationSettings(n_predict=16, draft_max="auto"))
         assert drafted > 0 and plain == 0
@@ -282,7 +282,7 @@ def test_at_long_context_verify_batches_timed_in_the_prefill_price_the_first_ste
     def cost(name: str, n: int, pos0: int = 0) -> float:
         return base(name, n) + (0.04 * pos0 / 1e3 if name == "target" else 0.0)
 
-    with Engine(deep_target, tiny_target, ctx=2048, threads=1, clock=SimulatedClock(cost)) as e:
+    with Engine(deep_target, tiny_target, ctx=2048, draft_ctx=0, threads=1, clock=SimulatedClock(cost)) as e:
         ses = e.session()
         drafted, plain = first_step(ses, long_prompt(e, 1500), GenerationSettings(n_predict=16, draft_max="auto"))
         ctrl = ses.controller(GenerationSettings(n_predict=16, draft_max="auto"))
@@ -331,7 +331,7 @@ def test_prompt_agreement_lets_a_pair_that_agrees_draft_from_the_first_step(deep
 
     auto = GenerationSettings(n_predict=16, draft_max="auto")
     clock = SimulatedClock(context_costs(attn_ms_per_row_token=0.004))
-    with Engine(deep_target, tiny_target, ctx=2048, threads=1, clock=clock) as e:
+    with Engine(deep_target, tiny_target, ctx=2048, draft_ctx=0, threads=1, clock=clock) as e:
         ses = e.session()
         drafted, plain = first_step(ses, long_prompt(e, 1500), auto)
         agree, n = ses.agreement
@@ -344,7 +344,7 @@ def test_prompt_agreement_lets_a_pair_that_agrees_draft_from_the_first_step(deep
         assert ses.agreement is None and ses.controller(auto).n_seeds == 0 and (drafted, plain) == (0, 1)
     monkeypatch.undo()
 
-    with Engine(deep_target, tiny_unrelated, ctx=2048, threads=1, clock=clock) as e:
+    with Engine(deep_target, tiny_unrelated, ctx=2048, draft_ctx=0, threads=1, clock=clock) as e:
         ses = e.session()
         drafted, plain = first_step(ses, long_prompt(e, 1500), auto)
         agree, n = ses.agreement

@@ -182,6 +182,19 @@ def test_draft_has_its_own_context_and_threads(tiny_target, tiny_close):
         assert e.n_ctx == 1024 and e.draft_window == 256  # a smaller draft context is a window of recent tokens
     with pytest.raises(UsageError, match="--ctx-draft"):
         Engine(tiny_target, tiny_close, ctx=1024, draft_ctx=8)
+    with pytest.raises(UsageError, match="--ctx-draft"):
+        Engine(tiny_target, tiny_close, ctx=1024, draft_ctx=-1)
+
+
+def test_by_default_the_draft_sees_a_window_at_long_context(tiny_target, tiny_close):
+    from specq.native.engine import DRAFT_WINDOW
+
+    with Engine(tiny_target, tiny_close, ctx=2048, threads=1) as e:
+        assert e.dft_ctx.n_ctx == DRAFT_WINDOW == e.draft_window and e.tgt_ctx.n_ctx == 2048
+    with Engine(tiny_target, tiny_close, ctx=2048, threads=1, draft_ctx=0) as e:  # 0: the whole context
+        assert e.dft_ctx.n_ctx == 2048 and e.draft_window is None
+    with Engine(tiny_target, tiny_close, ctx=DRAFT_WINDOW, threads=1) as e:  # no longer than the window: all of it
+        assert e.dft_ctx.n_ctx == DRAFT_WINDOW and e.draft_window is None
 
 
 def test_a_draft_window_slides_over_a_long_history_and_output_stays_the_targets(tiny_target):
