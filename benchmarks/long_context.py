@@ -17,7 +17,7 @@ sides use the same build of the same code; `--llama-bench-own-libs` keeps its CM
         [--fixed 2,4] [--llama-bench /tmp/llama-build/bin/llama-bench] [--draft-ctx default,0] [--task retrieval]
 
 `--task retrieval` ends each prompt with a request to quote the document's first paragraphs, so that the answer
-copies from thousands of tokens back: the case where a draft window (specq's default) must lose acceptance.
+copies from thousands of tokens back: the case where a draft window (`--draft-ctx N`) must lose acceptance.
 """
 
 from __future__ import annotations
@@ -159,8 +159,8 @@ def main() -> None:
     ap.add_argument("--llama-bench-own-libs", action="store_true",
                     help="run llama-bench on the libraries of its own build (default: the wheel's, like for like)")
     ap.add_argument("--draft-ctx", default="default",
-                    help="draft contexts to compare, comma-separated: default = specq's (a window of the last "
-                         "DRAFT_WINDOW tokens), 0 = the whole prompt, N = a window of the last N tokens "
+                    help="draft contexts to compare, comma-separated: default = specq's (the whole prompt), "
+                         "0 = the whole prompt too, N = a window of the last N tokens "
                          "(--ctx-draft); each is its own entry: <pair>, <pair>@all, <pair>@window<N>")
     ap.add_argument("--task", choices=("continue", "retrieval"), default="continue",
                     help="continue the text (default), or answer a request to quote its beginning")

@@ -104,8 +104,7 @@ ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU thread
 CtxDraftOpt = Annotated[Optional[int], typer.Option("--ctx-draft", help="The draft's context size: smaller than "
                                                                      "--ctx, the draft sees only that many recent "
                                                                      "tokens, which keeps it cheap at long context "
-                                                                     "(default: 512 where --ctx is larger; 0: the "
-                                                                     "whole context).")]
+                                                                     "(default and 0: the whole context).")]
 ThreadsDraftOpt = Annotated[Optional[int], typer.Option("--threads-draft", help="The draft's CPU threads "
                                                                               "(default: --threads).")]
 NglOpt = Annotated[Optional[int], typer.Option("--ngl", help="Target layers on the GPU (default: all when a GPU "

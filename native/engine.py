@@ -35,9 +35,7 @@ AUTO_DRAFT_CAP = 16
 AGREE_TOKENS = 32  # prompt rows compared between target and draft before the first draft (Session.prefill's agree)
 AGREE_MIN = 4
 MIN_DRAFT_WINDOW = 2 * (DRAFT_MAX_CAP + 2)
-# A separate draft model sees the most recent DRAFT_WINDOW tokens by default (draft_ctx None): at long context its
-# attention would otherwise cost nearly what the target's does (docs/benchmarks.md, long context); 0: everything.
-DRAFT_WINDOW = 512  # a window slides to half its size, leaving room for a whole draft
+DRAFT_SINK = 4  # the history's first tokens a draft window keeps (Session._fit_draft)  # a window slides to half its size, leaving room for a whole draft
 ACCEPT_MODES = ("auto", "match", "rejection")
 
 
@@ -201,8 +199,9 @@ class _Cache:
     """One model's context and exactly the tokens its memory holds (positions 0..len-1)."""
 
     ctx: _ffi.Context
-    tokens: list[int] = field(default_factory=list)  # the history from `offset` on, at positions 0..
-    offset: int = 0  # a draft's window: how many of the history's first tokens its memory leaves out
+    tokens: list[int] = field(default_factory=list)  # history[:sink] + history[offset:], at positions 0..
+    offset: int = 0  # a draft's window: where in the history the recent tokens it holds begin
+    sink: int = 0  # a window also keeps the history's first tokens (attention sinks), this many
     checkpoint: tuple[int, bytes] | None = None  # (n_tokens, state) for memories without partial removal
     partial_rm: bool = True
     n_restores: int = 0  # checkpoint restores; on a sliding-window memory, re-evaluations (cells gone)
@@ -269,8 +268,17 @@ class _Cache:
         self.tokens.extend(new)  # recorded first: an interruption leaves the list ahead of the memory
         self.ctx.decode(new, n0, logits=logits)
 
+    def view(self, history: list[int]) -> list[int]:
+        """The tokens of `history` this memory is meant to hold (a window: the sinks, then the recent ones)."""
+        return history[:self.sink] + history[self.offset:] if self.offset else history
+
+    def next_index(self) -> int:
+        """The history index of the next token to evaluate."""
+        return self.offset + len(self.tokens) - self.sink
+
     def clear(self) -> None:
         self.offset = 0
+        self.sink = 0
         self.tokens.clear()
         self.checkpoint = None
         self.ctx.clear()
@@ -336,16 +344,15 @@ class Engine:
         elsewhere (placement.choose_flash_attn: on the CPU flash attention decodes slower at long context).
         `mtp`: True loads the target's MTP head as a drafter (a target without one is refused), None loads it
         where the target has one (--drafter auto), False never.
-        `draft_ctx`: the draft's context; smaller than ctx, the draft sees a window of that many recent tokens.
-        None (the default) gives a window of DRAFT_WINDOW tokens where ctx is longer, 0 the whole context."""
+        `draft_ctx`: the draft's context; smaller than ctx, the draft sees a window of that many recent tokens
+        (after the history's first DRAFT_SINK); None or 0: the whole context."""
         for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx or None, 16),
                                ("--threads", threads, 1), ("--threads-draft", draft_threads, 1)):
             if v is not None and v < least:
                 raise UsageError(f"{flag} must be at least {least} ({v})")
         if draft_ctx is not None and draft_ctx < 0:
             raise UsageError(f"--ctx-draft must be 0 (the whole context) or at least 16 ({draft_ctx})")
-        # None: a window of DRAFT_WINDOW recent tokens where the context is longer; 0: the whole context
-        draft_ctx = min(ctx, DRAFT_WINDOW) if draft_ctx is None else (draft_ctx or ctx)
+        draft_ctx = draft_ctx or ctx  # None or 0: the whole context
         self.threads = threads or physical_cores()
         self.draft_threads = draft_threads or self.threads
         draft_flash_attn = choose_flash_attn(draft_flash_attn or flash_attn, ngl_draft, draft_devices or devices)
@@ -585,7 +592,7 @@ class Session:
         clock = self.engine.clock
         t_start = clock()
         self._fit_draft(len(self.history) + n_max)
-        seen = dft.offset + len(dft.tokens)
+        seen = dft.next_index()
         catchup = len(self.history) - seen
         dft.extend(self.history[seen:], logits="last")  # catch up, incl. the last token
         dft.save_checkpoint()
@@ -694,18 +701,22 @@ class Session:
         if self.dft is not None:
             if len(self.history) <= self.dft.offset:
                 self.dft.clear()  # rolled back past the draft's window: it starts again from the beginning
-            self.dft.truncate(_common_prefix(self.dft.tokens, self.history[self.dft.offset:]))
+            self.dft.truncate(_common_prefix(self.dft.tokens, self.dft.view(self.history)))
         if self.mtp is not None:
             self.mtp.truncate(_common_prefix(self.mtp.tokens, self.history))
 
     def _fit_draft(self, n_tokens: int) -> None:
         """Move the draft's window on, if it has one, so that it can hold the history's first n_tokens tokens:
-        it restarts from the last half-window of the history (evaluated again at the next catch-up)."""
+        it restarts from the last half-window of the history (evaluated again at the next catch-up), after the
+        history's first DRAFT_SINK tokens. A model attends heavily to the first tokens of its context (attention
+        sinks): a window without them predicts far worse than one with them."""
         window, dft = self.engine.draft_window, self.dft
-        if window is None or n_tokens - dft.offset <= window:
+        if window is None or n_tokens - dft.offset + dft.sink <= window:
             return
         dft.clear()
         dft.offset = min(n_tokens - window // 2, len(self.history) - 1)
+        dft.sink = min(DRAFT_SINK, dft.offset)
+        dft.extend(self.history[:dft.sink], logits="none")
         self.n_draft_slides += 1
 
     def rollback(self, n: int) -> None:
@@ -761,7 +772,7 @@ class Session:
                 self.tgt.extend(hist[len(self.tgt.tokens):pos], logits="none")
                 if self.dft is not None:
                     self._fit_draft(pos + 1)
-                    self.dft.extend(hist[self.dft.offset + len(self.dft.tokens):pos], logits="none")
+                    self.dft.extend(hist[self.dft.next_index():pos], logits="none")
                 if n == 0:
                     break
                 if n < 0:
@@ -771,7 +782,7 @@ class Session:
                 self.tgt.extend(hist[pos:pos + n], logits="last" if n == 1 else "all")
                 t1 = clock()
                 draft_s = None
-                if n == 1 and self.dft is not None and self.dft.offset + len(self.dft.tokens) == pos:
+                if n == 1 and self.dft is not None and self.dft.next_index() == pos:
                     self.dft.extend([hist[pos]], logits="last")
                     draft_s = clock() - t1
                 out.append((pos, n, t1 - t0, draft_s))
@@ -788,8 +799,8 @@ class Session:
         toks = self.history[pos:pos + n]
         self.tgt.extend(toks, logits="all")
         want = self.tgt.ctx.logits(n).argmax(axis=1)
-        if self.dft.offset + len(self.dft.tokens) != pos:  # the draft's window moved on: decode the rest plainly
-            self.dft.extend(self.history[self.dft.offset + len(self.dft.tokens):pos + n], logits="none")
+        if self.dft.next_index() != pos:  # the draft's window moved on: decode the rest plainly
+            self.dft.extend(self.history[self.dft.next_index():pos + n], logits="none")
             return
         self.dft.extend(toks, logits="all")
         got = self.dft.ctx.logits(n).argmax(axis=1)

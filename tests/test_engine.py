@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specq.errors import ContextFullError, IncompatibleDraftError, UsageError
-from specq.native.engine import MIN_DRAFT_WINDOW, Engine, GenerationSettings
+from specq.native.engine import DRAFT_SINK, MIN_DRAFT_WINDOW, Engine, GenerationSettings
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -186,21 +186,16 @@ def test_draft_has_its_own_context_and_threads(tiny_target, tiny_close):
         Engine(tiny_target, tiny_close, ctx=1024, draft_ctx=-1)
 
 
-def test_by_default_the_draft_sees_a_window_at_long_context(tiny_target, tiny_close):
-    from specq.native.engine import DRAFT_WINDOW
-
-    with Engine(tiny_target, tiny_close, ctx=2048, threads=1) as e:
-        assert e.dft_ctx.n_ctx == DRAFT_WINDOW == e.draft_window and e.tgt_ctx.n_ctx == 2048
-    with Engine(tiny_target, tiny_close, ctx=2048, threads=1, draft_ctx=0) as e:  # 0: the whole context
-        assert e.dft_ctx.n_ctx == 2048 and e.draft_window is None
-    with Engine(tiny_target, tiny_close, ctx=DRAFT_WINDOW, threads=1) as e:  # no longer than the window: all of it
-        assert e.dft_ctx.n_ctx == DRAFT_WINDOW and e.draft_window is None
+def test_by_default_the_draft_reads_the_whole_context(tiny_target, tiny_close):
+    for draft_ctx in (None, 0):
+        with Engine(tiny_target, tiny_close, ctx=2048, threads=1, draft_ctx=draft_ctx) as e:
+            assert e.dft_ctx.n_ctx == 2048 and e.draft_window is None
 
 
 def test_a_draft_window_slides_over_a_long_history_and_output_stays_the_targets(tiny_target):
     """--ctx-draft below --ctx: the draft sees only the recent tokens. The output stays the target's, and the
-    draft's memory holds exactly the history's tail from its offset on, at positions 0..: its next-token logits
-    equal those of a fresh context given that tail."""
+    draft's memory holds exactly the history's first DRAFT_SINK tokens and its tail from the offset on, at positions
+    0..: its next-token logits equal those of a fresh context given those tokens."""
     from specq.native import _ffi
 
     prompt = " ".join(PROMPTS) * 12
@@ -219,10 +214,11 @@ def test_a_draft_window_slides_over_a_long_history_and_output_stays_the_targets(
         assert g2.stats.n_drafted > 0
         dft, hist = ses.dft, ses.history
         assert 0 < dft.offset and len(dft.tokens) <= e.draft_window < len(hist)
-        assert dft.tokens == hist[dft.offset:dft.offset + len(dft.tokens)]
-        dft.extend(hist[dft.offset + len(dft.tokens):], logits="last")
+        assert dft.sink == DRAFT_SINK and dft.tokens[:DRAFT_SINK] == hist[:DRAFT_SINK]  # the sinks stay
+        assert dft.tokens[DRAFT_SINK:] == hist[dft.offset:dft.offset + len(dft.tokens) - DRAFT_SINK]
+        dft.extend(hist[dft.next_index():], logits="last")
         with _ffi.Context(e.draft, 512, 1, name="fresh") as fresh:
-            fresh.decode(hist[dft.offset:], 0, logits="last")
+            fresh.decode(hist[:DRAFT_SINK] + hist[dft.offset:], 0, logits="last")
             # (batched and one-by-one evaluation round differently: ~2e-3 here; a shifted window is off by ~1)
             np.testing.assert_allclose(dft.ctx.logits(1)[0], fresh.logits(1)[0], atol=2e-2)
         ses.rollback(40)  # back before the window: the draft starts again from the beginning

@@ -100,9 +100,11 @@ def test_bench_draft_max_auto_accept_and_chat_flags(tiny_target, tiny_close):
     doc = json.loads(r.stdout)
     assert doc["settings"]["draft_max"] == "auto" and doc["settings"]["accept"] == "rejection"
     assert doc["settings"]["device"] == "CPU" and doc["settings"]["ctx_draft"] == 256
+    assert doc["settings"]["draft_window"] == 256  # what the engine made of it
     spec = [row for row in doc["runs"] if row["mode"] == "speculative"][0]
     raw = bench("--target", tiny_target, "--draft", tiny_close, "--prompt", "Tell me about foxes.", "--n-predict", 4,
                 "--threads", 1, "--ctx", 512, "--json", "-", "-q")
+    assert json.loads(raw.stdout)["settings"]["draft_window"] is None  # by default the draft reads everything
     # --chat wrapped the prompt in the tiny model's ChatML template (<|im_start|>user ... assistant)
     assert spec["n_prompt"] >= json.loads(raw.stdout)["runs"][0]["n_prompt"] + 6
     assert doc["summary"]["identical_output"] is None  # temperature > 0
