@@ -58,6 +58,7 @@ class FakeSession:
 
 class FakeEngine:
     threads = 2
+    draft_window = None
 
     def __init__(self, target, draft, **kw):
         self.draft = draft
