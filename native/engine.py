@@ -34,8 +34,8 @@ DRAFT_MAX_CAP = 64
 AUTO_DRAFT_CAP = 16
 AGREE_TOKENS = 32  # prompt rows compared between target and draft before the first draft (Session.prefill's agree)
 AGREE_MIN = 4
-MIN_DRAFT_WINDOW = 2 * (DRAFT_MAX_CAP + 2)
-DRAFT_SINK = 4  # the history's first tokens a draft window keeps (Session._fit_draft)  # a window slides to half its size, leaving room for a whole draft
+MIN_DRAFT_WINDOW = 2 * (DRAFT_MAX_CAP + 2)  # a window slides to half its size, leaving room for a whole draft
+DRAFT_SINK = 4  # the history's first tokens a draft window keeps (Session._fit_draft)
 ACCEPT_MODES = ("auto", "match", "rejection")
 
 
@@ -350,9 +350,6 @@ class Engine:
                                ("--threads", threads, 1), ("--threads-draft", draft_threads, 1)):
             if v is not None and v < least:
                 raise UsageError(f"{flag} must be at least {least} ({v})")
-        if draft_ctx is not None and draft_ctx < 0:
-            raise UsageError(f"--ctx-draft must be 0 (the whole context) or at least 16 ({draft_ctx})")
-        draft_ctx = draft_ctx or ctx  # None or 0: the whole context
         self.threads = threads or physical_cores()
         self.draft_threads = draft_threads or self.threads
         draft_flash_attn = choose_flash_attn(draft_flash_attn or flash_attn, ngl_draft, draft_devices or devices)
@@ -374,7 +371,7 @@ class Engine:
                                         n_outputs_max=DRAFT_MAX_CAP + 1, name="target",
                                         n_rs_seq=rollback_tokens if self.target.is_recurrent_or_hybrid else 0,
                                         flash_attn=flash_attn)
-            self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,
+            self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,  # None or 0: all of it
                                          n_batch=draft_n_batch or n_batch, n_outputs_max=AGREE_TOKENS, name="draft",
                                          flash_attn=draft_flash_attn)
                             if self.draft is not None else None)
