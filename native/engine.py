@@ -793,6 +793,11 @@ class Session:
         """Decode history[pos:pos+n] on both models with every row's logits and count the rows where the draft's
         greedy choice is the target's (self.agreement): teacher-forced greedy acceptance on the prompt."""
         self._fit_draft(pos + n)
+        dft = self.dft
+        if dft.next_index() > pos >= dft.offset:
+            # The draft holds rows the target lacks (the history's last token, evaluated by a drafting step or an
+            # earlier prefill): drop them, or the rows to compare would be missing on the draft's side.
+            dft.truncate(dft.sink + pos - dft.offset)
         toks = self.history[pos:pos + n]
         self.tgt.extend(toks, logits="all")
         want = self.tgt.ctx.logits(n).argmax(axis=1)

@@ -349,3 +349,22 @@ def test_prompt_agreement_lets_a_pair_that_agrees_draft_from_the_first_step(deep
         drafted, plain = first_step(ses, long_prompt(e, 1500), auto)
         agree, n = ses.agreement
         assert agree <= 0.5 * n and ses.controller(auto).n_seeds == 1 and (drafted, plain) == (0, 1)
+
+
+def test_prompt_agreement_is_measured_when_the_draft_holds_the_historys_last_token(deep_target, tiny_target):
+    # A turn that follows another (or a rollback into the prompt) finds the draft one row ahead of the target:
+    # it holds the history's last token, which the target evaluates with the next prefill. The agreement rows
+    # start where the target stands; the draft's extra row is dropped, not taken as a reason to skip them.
+    auto = GenerationSettings(n_predict=4, draft_max="auto")
+    clock = SimulatedClock(context_costs(attn_ms_per_row_token=0.004))
+    with Engine(deep_target, tiny_target, ctx=2048, draft_ctx=0, threads=1, clock=clock) as e:
+        ses = e.session()
+        toks = long_prompt(e, 1500)
+        ses.prefill(toks[:1476])  # a short turn follows: its agreement rows begin where the target stands
+        base = len(ses.history)
+        ses.generate(toks[1476:], GenerationSettings(n_predict=4), speculative=False).run()
+        ses.rollback(base)
+        assert ses.dft.next_index() == len(ses.tgt.tokens) + 1  # the case: the draft is a row ahead
+        first_step(ses, toks[1476:], auto)
+        agree, n = ses.agreement
+        assert n == 16 and agree >= 0.9 * n and ses.controller(auto).n_seeds == 1
