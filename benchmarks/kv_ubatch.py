@@ -8,6 +8,8 @@ Two sweeps on the target (default: the demo target):
   decode: tg16 at each depth, K/V cache f16 and q8_0 (`-ctk/-ctv`), flash attention off and on; a quantized V
           cache needs flash attention, so q8_0 with it off quantizes K only.
   prompt: pp512 with n_ubatch 128, 256 and 512 (`-ub`), flash attention off and on.
+  verify: a 5-token batch at each depth (`-p 5 -d D`: what a speculative verify of 4 drafted tokens costs), K
+          cache f16 and q8_0, flash attention off and on (`--no-verify` skips it).
 specq's defaults are f16 caches and n_ubatch = n_batch (512).
 """
 
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--depths", default="2048,8192")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--no-verify", action="store_true")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     model = Path(a.model) if a.model else demo_pair()[0]
@@ -59,8 +62,11 @@ def main() -> None:
                                                   "-ctk", "f16,q8_0", "-ctv", "f16,q8_0", *t, *r], libs)
     doc["prompt"] = bench(a.llama_bench, model, ["-p", "512", "-n", "0", "-ub", "128,256,512", "-fa", "0,1",
                                                  *t, *r], libs)
+    if not a.no_verify:
+        doc["verify"] = bench(a.llama_bench, model, ["-p", "5", "-n", "0", "-d", a.depths, "-fa", "0,1",
+                                                     "-ctk", "f16,q8_0", *t, *r], libs)
     Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
-    for row in doc["decode"] + doc["prompt"]:
+    for row in doc["decode"] + doc["prompt"] + doc.get("verify", []):
         print(row)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+DEFAULT_HORIZON = 128  # tokens a generation is taken to have left when it has no n_predict (ExploreBudget)
 SHORT_CTX = 384  # contexts below this share one band: attention is a small part of a step there
 CALIBRATION_BATCHES = (5, 2)  # verify sizes timed in a prefill at a new context: two points give V(b)'s line
 
@@ -43,6 +44,29 @@ class _Costs:
     line: tuple[float, float] | None = None  # (intercept, slope) of V(b) over the measured batches
     ctx_one: float = 0.0  # the mean context of the single-token verifies measured
     t_catchup: float | None = None  # per token of a long catch-up (tokens decoded while another drafted)
+
+
+@dataclass
+class ExploreBudget:
+    """What probes may cost: at most `share` of the decoding time (what went so far, and what plain decoding
+    would take for the tokens still to come), beyond what plain decoding would have taken for the tokens the
+    probes emitted. A probe runs only where its predicted extra fits what is left, and its measured extra is then
+    booked (a probe that gains pays back). So exploring for a better draft makes a generation at most about
+    `share` slower than plain decoding, whatever the pair and the context."""
+
+    share: float = 0.03
+    elapsed_s: float = 0.0  # every step's time
+    spent_s: float = 0.0  # the probes' measured extra over plain decoding (negative: they gained)
+    n_refused: int = 0  # probes not run because their predicted extra did not fit
+
+    def allows(self, predicted_extra_s: float, plain_s: float, remaining: int) -> bool:
+        """Whether a probe expected to cost predicted_extra_s more than plain decoding fits, with `remaining`
+        tokens still to generate at plain_s each."""
+        if predicted_extra_s <= 0 or \
+                self.spent_s + predicted_extra_s <= self.share * (self.elapsed_s + remaining * plain_s):
+            return True
+        self.n_refused += 1
+        return False
 
 
 @dataclass(frozen=True)
@@ -104,6 +128,7 @@ class AdaptiveDraft:
         self.ratio_prior = cost_ratio_prior
         self.bands: dict[int, _Costs] = {}
         self.n_ctx = 0
+        self.remaining = DEFAULT_HORIZON  # tokens the generation may still emit (at's)
         self._c = self._band(0)  # the costs of the current context band
         self.n_calibrations = 0
         self.n_batch_calibrations = 0
@@ -115,6 +140,8 @@ class AdaptiveDraft:
         self.min_evidence = min_evidence
         self.thin_budget = 0.05  # what the frequent probes of thin evidence may cost, a share of plain decoding
         self.thin_gap = 1  # plain steps between them
+        self.budget = ExploreBudget()  # what probes may cost in all
+        self.books_time = True  # whether observe books each step's time in `budget` (not where it is shared)
         self._probing = False
         self.plain_streak = 0
         self.n_plain_steps = 0
@@ -126,9 +153,11 @@ class AdaptiveDraft:
     def _band(self, band: int) -> _Costs:
         return self.bands.setdefault(band, _Costs())
 
-    def at(self, n_ctx: int) -> None:
-        """The next steps run at a context of n_ctx tokens."""
+    def at(self, n_ctx: int, remaining: int | None = None) -> None:
+        """The next steps run at a context of n_ctx tokens, with `remaining` tokens left to generate (None: not
+        known, DEFAULT_HORIZON)."""
         self.n_ctx = n_ctx
+        self.remaining = DEFAULT_HORIZON if remaining is None else remaining
         self._c = self._band(ctx_band(n_ctx))
 
     def _measured(self, n_ctx: int, with_draft: bool) -> bool:
@@ -309,7 +338,7 @@ class AdaptiveDraft:
         self.plain_streak += 1
         thin = self.thin_evidence()
         if self.plain_streak > (self.thin_gap if thin else self.probe_interval) and \
-                self._could_pay(min(limit, self.cap)):
+                self._could_pay(min(limit, self.cap)) and self._may_probe(self.plain_streak):
             self.plain_streak = 0
             if not thin:
                 self.probe_interval = min(2 * self.probe_interval, self.probe_max)
@@ -327,6 +356,23 @@ class AdaptiveDraft:
         """Whether drafting could beat plain decoding even at perfect acceptance, with the measured costs."""
         return best_draft_length([1.0] * limit, self.draft_s(), self.verify_s, self.overhead, self.first_s())[0] > 0
 
+    def _may_probe(self, behind: int) -> bool:
+        """Whether the exploration budget has room for a probe now (ExploreBudget)."""
+        return self.budget.allows(self.probe_extra_s(behind), self.verify_s(1) + self.overhead, self.remaining)
+
+    def probe_extra_s(self, behind: int) -> float:
+        """What a probe is expected to cost beyond plain decoding: catching up on the `behind` tokens decoded
+        without this drafter, its probe_k tokens and their verify, less the plain steps its expected tokens save.
+        At long context a one-token probe loses even when accepted (a 2-token verify can cost 1.5 single ones)."""
+        plain = self.verify_s(1) + self.overhead
+        k = self.probe_k
+        tokens, prod = 1.0, 1.0
+        for a in self.alphas()[:k]:
+            prod *= a
+            tokens += prod
+        return (self.first_s() + (k - 1) * self.draft_s() + max(behind - 1, 0) * self.catchup_s()
+                + self.verify_s(k + 1) + self.overhead - tokens * plain)
+
     def observe(self, n_drafted: int, n_accepted: int, draft_token_s: float | None, verify_s: float,
                 overhead_s: float, draft_s: float | None = None, first_token_s: float | None = None,
                 catchup: tuple[int, float] | None = None) -> None:
@@ -339,12 +385,15 @@ class AdaptiveDraft:
             c = self._c
             c.t_catchup = self._mean(c.t_catchup, max(sec - self.first_s(), 0.0) / (n - 1))
             self.n_catchups += 1
+        if self.books_time:
+            self.budget.elapsed_s += (draft_s or 0.0) + verify_s + overhead_s
         if self._probing:
             # A probe after a plain stretch also pays the draft's catch-up: space probes so that their
             # extra cost stays within probe_budget of plain decoding.
             self._probing = False
             plain = self.verify_s(1) + self.overhead
             extra = ((draft_s or 0.0) + verify_s + overhead_s) / plain - 1.0 - n_accepted
+            self.budget.spent_s += extra * plain
             if extra > 0:
                 self.probe_interval = max(self.probe_interval, int(extra / self.probe_budget))
             # while evidence is thin, probes come every other step as long as they pay for themselves, and are
@@ -412,6 +461,7 @@ class AdaptiveDrafters:
             c = AdaptiveDraft(cap, cost_ratio_prior=ratio, **kw)
             # one verify model: the target's cost does not depend on the drafter
             c.verify_s, c.verify_one_s = self.shared.verify_s, self.shared.verify_one_s
+            c.budget, c.books_time = self.shared.budget, False  # one account for all probes; shared books time
             self.per[name] = c
         self.probe_min, self.probe_max, self.probe_k = probe_min, probe_max, probe_k
         self.probe_interval = probe_min
@@ -424,10 +474,10 @@ class AdaptiveDrafters:
         self.n_chosen = {name: 0 for name in self.per}
         self.n_charged = 0  # steps chosen with a drafter's catch-up charged to the others (see choose)
 
-    def at(self, n_ctx: int) -> None:
+    def at(self, n_ctx: int, remaining: int | None = None) -> None:
         """The next steps run at a context of n_ctx tokens (AdaptiveDraft.at, for every drafter)."""
         for c in (self.shared, *self.per.values()):
-            c.at(n_ctx)
+            c.at(n_ctx, remaining)
 
     def calibration_points(self, first: int, last: int, with_draft: bool) -> list[tuple[int, int]]:
         return self.shared.calibration_points(first, last, with_draft)
@@ -507,7 +557,8 @@ class AdaptiveDrafters:
         # probe_interval steps (or the drafter's own, longer when its probes cost more than probe_budget)
         due = [n for n, lim in limits.items() if lim > 0 and self.per[n]._could_pay(min(lim, self.cap))
                and self.plain_streak > (self.per[n].thin_gap if self.per[n].thin_evidence()
-                                        else max(self.probe_interval, self.per[n].probe_interval))]
+                                        else max(self.probe_interval, self.per[n].probe_interval))
+               and self.per[n]._may_probe(self.n_steps - self.last_used[n])]
         if due:
             self.plain_streak = 0
             name = min(due, key=lambda n: self.last_used[n])
@@ -545,7 +596,7 @@ class AdaptiveDrafters:
                 verify_s: float, overhead_s: float, draft_s: float | None = None,
                 first_token_s: float | None = None, catchup: tuple[int, float] | None = None) -> None:
         """Record one step (drafter None: plain decoding); the arguments as AdaptiveDraft.observe's."""
-        self.shared.observe(n_drafted, n_accepted, None, verify_s, overhead_s)
+        self.shared.observe(n_drafted, n_accepted, None, verify_s, overhead_s, draft_s)
         if drafter is not None and n_drafted:
             self.per[drafter].observe(n_drafted, n_accepted, draft_token_s, verify_s, overhead_s, draft_s,
                                       first_token_s, catchup)

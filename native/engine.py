@@ -956,7 +956,7 @@ class Generation:
                         n_draft_max = min(n_draft_max, remaining - 1)
                     if ctrl is not None:
                         t_step = self._clock()
-                        ctrl.at(len(ses.history))
+                        ctrl.at(len(ses.history), remaining)
                         if auto_drafter:
                             name, n_draft_max = ctrl.choose(ses._auto_limits(s, max(n_draft_max, 0)))
                             drafters = (name,) if name else ()
