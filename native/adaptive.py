@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 DEFAULT_HORIZON = 128  # tokens a generation is taken to have left when it has no n_predict (ExploreBudget)
 SHORT_CTX = 384  # contexts below this share one band: attention is a small part of a step there
 CALIBRATION_BATCHES = (5, 2)  # verify sizes timed in a prefill at a new context: two points give V(b)'s line
+THIN_STEP_COST = 3.0  # while evidence is thin, a step may cost at most this many plain steps (AdaptiveDraft.reach)
 
 
 def ctx_band(n_ctx: int) -> int:
@@ -148,6 +149,7 @@ class AdaptiveDraft:
         self.n_probes = 0
         self.n_catchups = 0  # long catch-ups measured (catchup_s)
         self.n_seeds = 0  # prompts whose agreement seeded the acceptance prior (seed_acceptance)
+        self.n_reach_limited = 0  # choices shortened by reach (thin evidence, a dear step)
 
     # -- context ----------------------------------------------------------------------------------
     def _band(self, band: int) -> _Costs:
@@ -330,7 +332,7 @@ class AdaptiveDraft:
         """Draft length for the next step, at most `limit` (context / n_predict room)."""
         if limit <= 0:
             return 0
-        k, _ = self.expected(min(limit, self.cap))
+        k, _ = self.expected(self.reach(min(limit, self.cap), self.overhead))
         if k > 0:
             self.plain_streak = 0
             self.probe_interval = self.probe_min
@@ -347,6 +349,23 @@ class AdaptiveDraft:
             return min(self.probe_k, limit, self.cap)
         self.n_plain_steps += 1
         return 0
+
+    def reach(self, limit: int, overhead: float) -> int:
+        """The longest draft worth considering now, at most `limit`: while evidence is thin, the longest whose step
+        (drafting and verify) costs at most THIN_STEP_COST plain steps. A first draft or two fully accepted (an
+        answer's opening is easy) put every position's estimate near 1, and the best length on those estimates
+        is the cap; at long context on a CPU a 17-token verify costs five single tokens, and that one step lost
+        more than the whole answer could gain. Where batches are cheap (a GPU) the limit is the cap."""
+        if limit <= 1 or not self.thin_evidence():
+            return limit
+        most = THIN_STEP_COST * (self.verify_s(1) + overhead)
+        first, per = self.first_s(), self.draft_s()
+        k = limit
+        while k > 1 and first + (k - 1) * per + self.verify_s(k + 1) + overhead > most:
+            k -= 1
+        if k < limit:
+            self.n_reach_limited += 1
+        return k
 
     def thin_evidence(self) -> bool:
         """Whether too few drafts were tried yet for plain decoding to be a verdict (see min_evidence)."""
@@ -522,8 +541,8 @@ class AdaptiveDrafters:
         for name, limit in limits.items():
             if limit > 0:
                 c = self.per[name]
-                own[name] = best_draft_length(c.alphas()[:min(limit, self.cap)], c.draft_s(), sh.verify_s,
-                                              sh.overhead, c.first_s())
+                own[name] = best_draft_length(c.alphas()[:c.reach(min(limit, self.cap), sh.overhead)],
+                                              c.draft_s(), sh.verify_s, sh.overhead, c.first_s())
         plain = 1.0 / (sh.verify_s(1) + sh.overhead)
         # the drafters that would be used (they beat plain decoding) and keep a memory to catch up
         keep = {n: self.per[n].catchup_s() for n, (k, r) in own.items() if k > 0 and r > plain and n != "ngram"}
@@ -532,8 +551,8 @@ class AdaptiveDrafters:
             charge = sum(v for n, v in keep.items() if n != name)
             if charge > 0 and k > 0:
                 c = self.per[name]
-                k, rate = best_draft_length(c.alphas()[:min(limits[name], self.cap)], c.draft_s(), sh.verify_s,
-                                            sh.overhead, c.first_s(), per_token=charge)
+                k, rate = best_draft_length(c.alphas()[:c.reach(min(limits[name], self.cap), sh.overhead)],
+                                            c.draft_s(), sh.verify_s, sh.overhead, c.first_s(), per_token=charge)
             if k > 0 and rate > best_rate:
                 best, best_k, best_rate = name, k, rate
         if keep:
@@ -547,7 +566,8 @@ class AdaptiveDrafters:
             if other is not None:
                 c = self.per[other]
                 lim = min(limits[other], self.cap)
-                k, _ = best_draft_length(c.alphas()[:lim], c.draft_s(), sh.verify_s, sh.overhead, c.first_s())
+                k, _ = best_draft_length(c.alphas()[:c.reach(lim, sh.overhead)], c.draft_s(), sh.verify_s,
+                                         sh.overhead, c.first_s())
                 self.n_probes += 1
                 return self._use(other), max(k, min(self.probe_k, lim))
             return self._use(best), best_k

@@ -428,3 +428,51 @@ def test_without_the_probe_budget_the_probes_cost_more(monkeypatch):
     c.calibrate(4096, 0.041 + 0.0058 * 2, None, 2)
     slower, _ = simulate_long_context(c, 0.5, 48)
     assert slower > 1.04, slower
+
+
+def deep_8k_opening(seed: int = 0) -> tuple[AdaptiveDraft, list[int], float]:
+    """The deep pair at 8k tokens on a 2-core CPU, as measured (benchmarks/long_context.py): plain 164 ms a token,
+    a draft token 36 ms, verifies of 200 ms + 40 ms a row (17 tokens: 880 ms, five single ones). An answer's
+    opening is easy: the first two drafts are accepted whole, then acceptance is i.i.d. 0.7 (drafting at best
+    breaks even there). 48 tokens; returns (controller, draft lengths, time over plain decoding's)."""
+    rng = np.random.default_rng(seed)
+    plain, per = 0.164, 0.036
+    verify = lambda b: plain if b == 1 else 0.200 + 0.040 * b  # noqa: E731
+    c = AdaptiveDraft(cap=16)
+    c.calibrate(8192, plain, per)
+    for b in (5, 2):
+        c.calibrate(8192, verify(b), None, b)
+    ks, tokens, time_s, drafts = [], 0, 0.0, 0
+    while tokens < 48:
+        c.at(8192, 48 - tokens)
+        k = c.choose(min(16, 48 - tokens - 1))
+        a = k if drafts < 2 else 0
+        while drafts >= 2 and a < k and rng.random() < 0.7:
+            a += 1
+        drafts += k > 0
+        c.observe(k, a, per if k > 1 else None, verify(k + 1), 0.0, draft_s=k * per if k else None,
+                  first_token_s=per if k else None)
+        ks.append(k)
+        tokens, time_s = tokens + a + 1, time_s + k * per + verify(k + 1)
+    return c, ks, time_s / (tokens * plain)
+
+
+def test_while_evidence_is_thin_a_step_costs_at_most_a_few_plain_ones():
+    # Two whole acceptances put every position's estimate near 1; the best length on those estimates is the cap,
+    # a 16-token draft and a 17-token verify: 1.46 s, nine plain tokens. Its reach keeps each step within three
+    # plain steps (k <= 3 here) until the evidence is in; over six answers the drafting that does not pay costs
+    # a few percent, not the ~11% of drafting to the cap.
+    runs = [deep_8k_opening(seed) for seed in range(6)]
+    for c, ks, _ in runs:
+        assert c.n_reach_limited > 0 and sum(k > 0 for k in ks) >= 2, ks  # it drafted, and the reach held it back
+        assert max(ks) <= 4, ks
+    assert np.mean([slower for *_, slower in runs]) <= 1.05
+
+
+def test_without_the_reach_the_opening_drafts_to_the_cap(monkeypatch):
+    from specq.native import adaptive
+
+    monkeypatch.setattr(adaptive, "THIN_STEP_COST", float("inf"))
+    runs = [deep_8k_opening(seed) for seed in range(6)]
+    assert all(max(ks) >= 10 for _, ks, _ in runs)
+    assert np.mean([slower for *_, slower in runs]) > 1.08
