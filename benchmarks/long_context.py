@@ -86,6 +86,7 @@ def run_length(eng: Engine, toks: list[int], modes: list, n_predict: int, repeat
         for mode in modes:
             ses.rollback(base)
             ses._controllers.clear()  # auto: nothing measured before this run
+            ses.reset_window()  # nor a draft window chosen (--ctx-draft auto), as in a new session
             spec = mode != "plain"
             settings = GenerationSettings(n_predict=n_predict, draft_max=mode if spec else 8)
             g = ses.generate(toks[-TAIL:], settings, speculative=spec).run()
@@ -95,11 +96,13 @@ def run_length(eng: Engine, toks: list[int], modes: list, n_predict: int, repeat
                    "n_generated": st.n_generated, "n_steps": st.n_steps, "n_drafted": st.n_drafted,
                    "n_accepted": st.n_accepted, "n_plain_steps": st.n_plain_steps, "n_probes": st.n_probes,
                    "steps_by_k": dict(st.steps_by_k), "draft_ms": st.draft_ms, "verify_ms": st.verify_ms,
-                   "n_draft_slides": st.n_draft_slides,
+                   "n_draft_slides": st.n_draft_slides, "draft_window": st.draft_window,
+                   "n_window_trials": st.n_window_trials,
                    "verify_ms_by_size": [list(v) for v in st.verify_ms_by_size]}
             runs.append(row)
             log(f"  rep {rep} {str(mode):5s} {st.tokens_per_s:6.2f} tok/s  steps {st.n_steps} "
-                f"plain {st.n_plain_steps} drafted {st.n_drafted} accepted {st.n_accepted}")
+                f"plain {st.n_plain_steps} drafted {st.n_drafted} accepted {st.n_accepted} "
+                f"window {st.draft_window} prompt {st.prompt_ms:.0f} ms")
     ses.reset()
     return summarise(runs, modes)
 
@@ -159,7 +162,8 @@ def main() -> None:
     ap.add_argument("--llama-bench-own-libs", action="store_true",
                     help="run llama-bench on the libraries of its own build (default: the wheel's, like for like)")
     ap.add_argument("--draft-ctx", default="default",
-                    help="draft contexts to compare, comma-separated: default = specq's (the whole prompt), "
+                    help="draft contexts to compare, comma-separated: default = specq's (auto: the whole prompt, "
+                         "or a 512-token window where a trial at the prompt measures that it pays), "
                          "0 = the whole prompt too, N = a window of the last N tokens "
                          "(--ctx-draft); each is its own entry: <pair>, <pair>@all, <pair>@window<N>")
     ap.add_argument("--task", choices=("continue", "retrieval"), default="continue",
@@ -179,10 +183,10 @@ def main() -> None:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    runs_of = [(name, tgt_dft, None if w == "default" else int(w))
+    runs_of = [(name, tgt_dft, "auto" if w == "default" else int(w))
                for name, tgt_dft in pairs(a.pairs.split(",")).items() for w in a.draft_ctx.split(",")]
     for name, (target, draft), window in runs_of:
-        key = name if window is None else f"{name}@all" if window == 0 else f"{name}@window{window}"
+        key = name if window == "auto" else f"{name}@all" if window == 0 else f"{name}@window{window}"
         with Engine(target, draft, ctx=max(lengths) + a.n_predict + 64, threads=a.threads,
                     flash_attn=a.flash_attn, draft_ctx=window) as eng:
             entry = doc["pairs"][key] = {"target": target.name, "draft": draft.name, "draft_ctx": window,
@@ -194,7 +198,7 @@ def main() -> None:
                 entry["lengths"][str(n)] = run_length(eng, prompt_of(eng, text, n, a.task), modes, a.n_predict,
                                                       a.repeat, log)
                 entry["lengths"][str(n)]["wall_s"] = time.perf_counter() - t0
-        if a.llama_bench and window is None:
+        if a.llama_bench and window == "auto":
             log(f"{name}: llama-bench")
             libs = None if a.llama_bench_own_libs else wheel_libs()
             entry["llama_bench_libs"] = "its own build" if libs is None else "the llama-cpp-python wheel's"

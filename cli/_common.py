@@ -101,10 +101,12 @@ AcceptOpt = Annotated[str, typer.Option("--accept", help="Verification at temp >
                                                          "(= rejection). Temp 0 is greedy either way.")]
 CtxOpt = Annotated[int, typer.Option("--ctx", help="Context size (tokens) for both models.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: physical cores).")]
-CtxDraftOpt = Annotated[Optional[int], typer.Option("--ctx-draft", help="The draft's context size: smaller than "
-                                                                     "--ctx, the draft sees only that many recent "
-                                                                     "tokens, which keeps it cheap at long context "
-                                                                     "(default and 0: the whole context).")]
+CtxDraftOpt = Annotated[str, typer.Option("--ctx-draft", help="The draft's context size: smaller than --ctx, "
+                                                           "the draft sees only that many recent tokens, which "
+                                                           "keeps it cheap at long context; 0: the whole context; "
+                                                           "auto (default): the whole context, or a 512-token "
+                                                           "window where one is measured to be faster (greedy, "
+                                                           "--draft-max auto, from 1,536 tokens of context).")]
 ThreadsDraftOpt = Annotated[Optional[int], typer.Option("--threads-draft", help="The draft's CPU threads "
                                                                               "(default: --threads).")]
 NglOpt = Annotated[Optional[int], typer.Option("--ngl", help="Target layers on the GPU (default: all when a GPU "
@@ -145,6 +147,16 @@ def parse_draft_max(value: str | int) -> int | str:
         return int(value)
     except ValueError:
         raise UsageError(f"--draft-max must be a number or auto ({value})")
+
+
+def parse_ctx_draft(value: str | int) -> int | str:
+    """--ctx-draft N or auto."""
+    if isinstance(value, int) or value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"--ctx-draft must be a number or auto ({value})")
 
 
 PAIR_SETTINGS = ("draft_max", "draft_min", "p_min", "ctx", "drafter")  # what a pair manifest may suggest

@@ -22,7 +22,7 @@ from ..native.engine import GenerationSettings
 from ..native.ngram import drafts_without_model
 from ..native.placement import resolve_placement
 from .checks import check_output_path, pair_warning
-from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
+from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, parse_ctx_draft, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
                       draft_for_drafters, drafter_engine_options, DraftMinOpt, DraftOpt, err, handle_errors, MainGpuOpt, MinPOpt,
                       models_or_demo, NglDraftOpt, NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, parse_draft_max, PMinOpt,
                       Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
@@ -237,7 +237,7 @@ def main(
     ngram_max: NgramMaxOpt = 6,
     ctx: CtxOpt = 4096,
     threads: ThreadsOpt = None,
-    ctx_draft: CtxDraftOpt = None,
+    ctx_draft: CtxDraftOpt = "auto",
     threads_draft: ThreadsDraftOpt = None,
     ngl: NglOpt = None,
     ngl_draft: NglDraftOpt = None,
@@ -299,6 +299,7 @@ def main(
                                   vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
                                   device=device, draft_device=draft_device, cpu_amx=cpu_amx,
                                   flash_attn=flash_attn, rpc=rpc)
+    ctx_draft = parse_ctx_draft(ctx_draft)
     cfg = BenchConfig(target=str(target), draft=str(draft) if draft else None, prompts=prompts, settings=settings,
                       ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft, repeat=repeat,
                       baseline=not no_baseline, chat=chat,

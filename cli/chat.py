@@ -19,7 +19,7 @@ from ..errors import ContextFullError, UsageError
 from ..native.chat import HELP, AnswerProgress, ChatSession, Command, ConversationFullError, apply_setting, \
     open_chat, panel_data, parse_command
 from ..native.placement import resolve_placement
-from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
+from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, parse_ctx_draft, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
                       draft_for_drafters, drafter_engine_options, DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
                       NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, SeedOpt,
                       settings_from_flags, setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt,
@@ -255,7 +255,7 @@ def main(
     ngram_max: NgramMaxOpt = 6,
     ctx: CtxOpt = 4096,
     threads: ThreadsOpt = None,
-    ctx_draft: CtxDraftOpt = None,
+    ctx_draft: CtxDraftOpt = "auto",
     threads_draft: ThreadsDraftOpt = None,
     ngl: NglOpt = None,
     ngl_draft: NglDraftOpt = None,
@@ -288,7 +288,7 @@ def main(
                                   flash_attn=flash_attn, rpc=rpc)
     chat = open_chat(str(target), str(draft) if draft else None, template=template, settings=settings,
                      system=system, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
-                     draft_ctx=ctx_draft, draft_threads=threads_draft, **placement.engine_options(),
+                     draft_ctx=parse_ctx_draft(ctx_draft), draft_threads=threads_draft, **placement.engine_options(),
                      **drafter_engine_options(settings))
     final = None
     try:

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import UsageError
-from ._common import (RpcOpt, AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
+from ._common import (RpcOpt, AcceptOpt, CtxDraftOpt, parse_ctx_draft, CtxOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
                       draft_for_drafters, drafter_engine_options, DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
                       NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, settings_from_flags,
                       setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt,
@@ -82,7 +82,7 @@ def main(
     ngram_max: NgramMaxOpt = 6,
     ctx: CtxOpt = 4096,
     threads: ThreadsOpt = None,
-    ctx_draft: CtxDraftOpt = None,
+    ctx_draft: CtxDraftOpt = "auto",
     threads_draft: ThreadsDraftOpt = None,
     ngl: NglOpt = None,
     ngl_draft: NglDraftOpt = None,
@@ -123,7 +123,7 @@ def main(
                                       cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc)
         server = open_server(str(target), str(draft) if draft else None, template=template, defaults=defaults,
                              cfg=cfg, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
-                             draft_ctx=ctx_draft, draft_threads=threads_draft, **placement.engine_options(),
+                             draft_ctx=parse_ctx_draft(ctx_draft), draft_threads=threads_draft, **placement.engine_options(),
                              **drafter_engine_options(defaults))
         try:
             _route_server_logs(verbose)

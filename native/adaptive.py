@@ -28,6 +28,7 @@ DEFAULT_HORIZON = 128  # tokens a generation is taken to have left when it has n
 SHORT_CTX = 384  # contexts below this share one band: attention is a small part of a step there
 CALIBRATION_BATCHES = (5, 2)  # verify sizes timed in a prefill at a new context: two points give V(b)'s line
 THIN_STEP_COST = 3.0  # while evidence is thin, a step may cost at most this many plain steps (AdaptiveDraft.reach)
+WINDOW_MARGIN = 0.05  # a draft window is taken only where it is expected to be this much faster (window_pays)
 
 
 def ctx_band(n_ctx: int) -> int:
@@ -104,6 +105,19 @@ def best_draft_length(alphas, t_draft: float, verify_s, overhead: float = 0.0,
         if rate > best:
             best_k, best = k, rate
     return best_k, best
+
+
+def window_pays(agree_whole: tuple[int, int], agree_window: tuple[int, int], t_whole: float, t_window: float,
+                verify_s, overhead: float, cap: int, margin: float = WINDOW_MARGIN) -> bool:
+    """Whether a draft that sees a window of recent tokens beats one that sees the whole context: each side's
+    acceptance from its greedy agreement with the target on the same prompt rows ((agreeing, rows), smoothed
+    towards 1/2), its cost per drafted token as timed at the context it would see, and the best draft length on
+    those (best_draft_length, one verify model for both). The window must win by `margin`: it is a change of
+    drafter on thin evidence, and acceptance lost to a window shows only later."""
+    def rate(agree: tuple[int, int], t: float) -> float:
+        alpha = (agree[0] + 1.0) / (agree[1] + 2.0)
+        return best_draft_length([alpha] * cap, t, verify_s, overhead)[1]
+    return rate(agree_window, t_window) > (1.0 + margin) * rate(agree_whole, t_whole)
 
 
 class AdaptiveDraft:
@@ -308,6 +322,13 @@ class AdaptiveDraft:
         one = self.verify_one_s()
         row = (self.verify_s(5) - self.verify_s(2)) / 3.0
         return self.first_s() * min(max(row / one, 0.0), 1.0)
+
+    def draft_cost_changed(self, t_token: float) -> None:
+        """The drafter now costs t_token a token at the current context (a draft window was taken): what was
+        measured before, at every context, priced a draft that saw more."""
+        for c in self.bands.values():
+            c.t_draft = c.t_first = c.t_catchup = None
+        self._c.t_first = self._c.t_draft = t_token
 
     def wants_agreement(self) -> bool:
         """Whether prompt agreement would inform the next choice (seed_acceptance): while evidence is thin."""

@@ -112,6 +112,8 @@ def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, setti
         "n_accepted_by": dict(st.n_accepted_by) if spec else None,
         "n_restores": st.n_restores,  # checkpoint restores (targets or drafts that cannot drop part of a sequence)
         "n_draft_slides": st.n_draft_slides,  # the draft's window moved on (--ctx-draft smaller than --ctx)
+        "draft_window": st.draft_window if spec else None,  # recent tokens the draft saw at the end (None: all)
+        "n_window_trials": st.n_window_trials if spec else None,  # --ctx-draft auto: windows timed at long context
         "n_rollbacks": st.n_rollbacks,  # recurrent/hybrid tails dropped through state snapshots instead
         "decode_ms": st.decode_ms, "overhead_fraction": st.overhead_fraction, "stop_reason": st.stop_reason,
     }
@@ -304,7 +306,8 @@ def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
             "llama_cpp_python_version": _ffi.llama_cpp_python_version(),
             "target": model_record(eng, "target"),
             "draft": model_record(eng, "draft") if cfg.draft else None,
-            "settings": {**settings_record(cfg, eng.threads, ngl, ngl_draft), "draft_window": eng.draft_window},
+            "settings": {**settings_record(cfg, eng.threads, ngl, ngl_draft),
+                         "draft_window": "auto" if eng.window_auto else eng.draft_window},
             "prompts": [{"index": i, "name": names[i], "n_tokens": len(t)} for i, t in enumerate(prompts)],
             "runs": runs,
             # Without a sweep: the one point. With one: the recommended point; every point is in `sweep`.

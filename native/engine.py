@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import ContextFullError, ModelFileError, UsageError
 from . import _ffi
 from .accept import accepted_per_position, greedy_emit, rejection_emit, top_probability
-from .adaptive import AdaptiveDraft, AdaptiveDrafters
+from .adaptive import AdaptiveDraft, AdaptiveDrafters, window_pays
 from .compat import VocabInfo, check_compatible
 from .mtp import MtpDrafter
 from .ngram import parse_drafter, point_mass, propose
@@ -36,6 +36,12 @@ AGREE_TOKENS = 32  # prompt rows compared between target and draft before the fi
 AGREE_MIN = 4
 MIN_DRAFT_WINDOW = 2 * (DRAFT_MAX_CAP + 2)  # a window slides to half its size, leaving room for a whole draft
 DRAFT_SINK = 4  # the history's first tokens a draft window keeps (Session._fit_draft)
+# --ctx-draft auto: at a long context a session times a draft that sees only this many recent tokens against the
+# whole-context one, and keeps the faster (Session._try_window); first at WINDOW_TRIAL_MIN tokens, again when
+# the context has doubled
+WINDOW_TRIAL = 512
+WINDOW_TRIAL_MIN = 3 * WINDOW_TRIAL
+WINDOW_TIMINGS = 3  # single-token decodes timed on each side of a window trial (the fastest counts)
 ACCEPT_MODES = ("auto", "match", "rejection")
 
 
@@ -179,6 +185,8 @@ class GenerationStats(Rates):
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning
     n_rollbacks: int = 0  # recurrent/hybrid tails dropped through state snapshots (no checkpoint restore)
     n_draft_slides: int = 0  # times the draft's window moved on (a --ctx-draft smaller than --ctx)
+    draft_window: int | None = None  # the recent tokens the draft sees at the end (None: the whole context)
+    n_window_trials: int = 0  # --ctx-draft auto: windowed drafts timed against the whole-context one
     n_drafted_by: tuple[tuple[str, int], ...] = ()  # per drafter ("model", "ngram", "mtp")
     n_accepted_by: tuple[tuple[str, int], ...] = ()
     # The cost model's inputs (native/cost.py): what each step drafted, verified and cost.
@@ -268,6 +276,13 @@ class _Cache:
         self.tokens.extend(new)  # recorded first: an interruption leaves the list ahead of the memory
         self.ctx.decode(new, n0, logits=logits)
 
+    def adopt(self, state: bytes, tokens: list[int], offset: int, sink: int) -> None:
+        """Hold what another context of the same model holds (its memory, `state`): a window's tokens."""
+        self.clear()
+        self.ctx.state_set(state, partial=False)
+        self.tokens[:] = tokens
+        self.offset, self.sink = offset, sink
+
     def view(self, history: list[int]) -> list[int]:
         """The tokens of `history` this memory is meant to hold (a window: the sinks, then the recent ones)."""
         return history[:self.sink] + history[self.offset:] if self.offset else history
@@ -330,7 +345,7 @@ class Engine:
                  ctx: int = 4096, threads: int | None = None, ngl: int = 0, ngl_draft: int = 0,
                  n_batch: int = 512, main_gpu: int = 0, tensor_split: list[float] | None = None,
                  draft_tensor_split: list[float] | None = None, devices: list[str] | None = None,
-                 draft_devices: list[str] | None = None, draft_ctx: int | None = None,
+                 draft_devices: list[str] | None = None, draft_ctx: int | str | None = "auto",
                  draft_threads: int | None = None, draft_n_batch: int | None = None, cpu_amx: bool = False,
                  clock: Callable[[], float] | None = None, rollback_tokens: int = AUTO_DRAFT_CAP,
                  flash_attn: str = "auto", draft_flash_attn: str | None = None, mtp: bool | None = False):
@@ -345,14 +360,21 @@ class Engine:
         `mtp`: True loads the target's MTP head as a drafter (a target without one is refused), None loads it
         where the target has one (--drafter auto), False never.
         `draft_ctx`: the draft's context; smaller than ctx, the draft sees a window of that many recent tokens
-        (after the history's first DRAFT_SINK); None or 0: the whole context."""
+        (after the history's first DRAFT_SINK); None or 0: the whole context; "auto": the whole context, or a
+        window of WINDOW_TRIAL tokens where a session measures that it pays (greedy, --draft-max auto)."""
+        self.window_auto = draft_ctx == "auto"
+        if self.window_auto:
+            draft_ctx = None
+        elif isinstance(draft_ctx, str):
+            raise UsageError(f"--ctx-draft must be a number or auto ({draft_ctx})")
         for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx or None, 16),
                                ("--threads", threads, 1), ("--threads-draft", draft_threads, 1)):
             if v is not None and v < least:
                 raise UsageError(f"{flag} must be at least {least} ({v})")
         self.threads = threads or physical_cores()
         self.draft_threads = draft_threads or self.threads
-        draft_flash_attn = choose_flash_attn(draft_flash_attn or flash_attn, ngl_draft, draft_devices or devices)
+        draft_flash_attn = self.draft_flash_attn = choose_flash_attn(draft_flash_attn or flash_attn, ngl_draft,
+                                                                     draft_devices or devices)
         flash_attn = choose_flash_attn(flash_attn, ngl, devices)
         self.target = _ffi.Model(target, n_gpu_layers=ngl, main_gpu=main_gpu, tensor_split=tensor_split,
                                  devices=devices, cpu_amx=cpu_amx, load_mtp=mtp is not False)
@@ -392,6 +414,8 @@ class Engine:
                 raise UsageError(f"--ctx-draft below --ctx makes the draft see a window of recent tokens, at least "
                                  f"{MIN_DRAFT_WINDOW} ({self.dft_ctx.n_ctx})")
             self.draft_window = self.dft_ctx.n_ctx
+        self.window_auto = self.window_auto and self.draft_window is None and not self.draft.is_recurrent_or_hybrid \
+            if self.draft is not None else False
         self.n_ctx = self.tgt_ctx.n_ctx
         self.clock = clock or time.perf_counter
         if isinstance(clock, SimulatedClock):
@@ -478,6 +502,11 @@ class Session:
         self.history: list[int] = []
         self._controllers: dict[tuple, AdaptiveDraft | AdaptiveDrafters] = {}
         self.n_draft_slides = 0  # times the draft's window moved on (a smaller --ctx-draft)
+        # the draft's window: --ctx-draft's, or with --ctx-draft auto what the window trials chose (None: all)
+        self.window = engine.draft_window
+        self.n_window_trials = 0
+        self._trial_at = 0  # the history's length at the last window trial
+        self._agree_rows: tuple[int, np.ndarray] | None = None  # the last agreement's (position, target's choices)
         self.tgt = _Cache(engine.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
         self.dft = (_Cache(engine.dft_ctx, partial_rm=not engine.draft.is_recurrent_or_hybrid)
                     if engine.dft_ctx is not None else None)
@@ -707,7 +736,7 @@ class Session:
         it restarts from the last half-window of the history (evaluated again at the next catch-up), after the
         history's first DRAFT_SINK tokens. A model attends heavily to the first tokens of its context (attention
         sinks): a window without them predicts far worse than one with them."""
-        window, dft = self.engine.draft_window, self.dft
+        window, dft = self.window, self.dft
         if window is None or n_tokens - dft.offset + dft.sink <= window:
             return
         dft.clear()
@@ -745,7 +774,7 @@ class Session:
                 f"prompt does not fit in the context ({total} tokens, ctx {self.n_ctx}); "
                 "use a larger --ctx or a shorter prompt")
         self.history.extend(new_tokens)
-        self.agreement = None
+        self.agreement = self._agree_rows = None
         try:
             self._rewind()
             hist, clock = self.history, self.engine.clock
@@ -807,6 +836,70 @@ class Session:
         self.dft.extend(toks, logits="all")
         got = self.dft.ctx.logits(n).argmax(axis=1)
         self.agreement = (int(np.count_nonzero(got == want)), n)
+        self._agree_rows = (pos, want)
+
+    def window_trial_due(self, n_new: int) -> bool:
+        """Whether the prefill of n_new more tokens should end in a window trial (--ctx-draft auto)."""
+        n = len(self.history) + n_new
+        return self.engine.window_auto and self.window is None and n >= max(WINDOW_TRIAL_MIN, 2 * self._trial_at)
+
+    def try_window(self, ctrl: AdaptiveDraft, overhead: float) -> tuple[int, int] | None:
+        """--ctx-draft auto, after a prefill that compared the draft with the target (agreement): decode the same
+        prompt rows on a scratch context of the draft that holds only the history's first DRAFT_SINK tokens and
+        the WINDOW_TRIAL // 2 before the rows (what a window holds just after it slides), and time the next token
+        there and on the whole-context draft (the fastest of WINDOW_TIMINGS decodes each). Where the window is
+        expected to be faster (window_pays, on the controller's verify costs), the session's draft sees a window
+        of WINDOW_TRIAL tokens from now on, starting from the scratch context's memory (no catch-up to pay).
+        `ctrl`: the draft model's controller, at this context (at()). Returns the window's agreement when it was
+        taken, else None."""
+        dft, hist = self.dft, self.history
+        last = len(hist) - 1
+        if self._agree_rows is None or dft.next_index() != last:
+            return None
+        pos, want = self._agree_rows
+        n = len(want)
+        eng = self.engine
+        self._trial_at = len(hist)
+        self.n_window_trials += 1
+        t_whole = self._time_next(dft.ctx, hist[last], len(dft.tokens))
+        start = max(DRAFT_SINK, pos - WINDOW_TRIAL // 2)
+        tokens = hist[:DRAFT_SINK] + hist[start:last]
+        with _ffi.Context(eng.draft, len(tokens) + 2, eng.draft_threads, n_batch=eng.dft_ctx.n_batch,
+                          n_outputs_max=AGREE_TOKENS, name="draft", flash_attn=eng.draft_flash_attn) as c:
+            c.on_decode = eng.dft_ctx.on_decode  # a simulated clock prices it as the draft
+            c.warm_up()
+            rows = DRAFT_SINK + pos - start  # where the agreement rows begin in the scratch memory
+            c.decode(tokens[:rows], 0, logits="none")
+            c.decode(tokens[rows:rows + n], rows, logits="all")
+            agree = (int(np.count_nonzero(c.logits(n).argmax(axis=1) == want)), n)
+            c.decode(tokens[rows + n:], rows + n, logits="none")
+            t_window = self._time_next(c, hist[last], len(tokens))
+            took = window_pays(self.agreement, agree, t_whole, t_window, ctrl.verify_s, overhead, ctrl.cap)
+            log.info("draft window trial at %d tokens: whole context %d/%d agree, %.1f ms a token; last %d tokens "
+                     "%d/%d, %.1f ms: %s", len(hist), *self.agreement, t_whole * 1e3, WINDOW_TRIAL, *agree,
+                     t_window * 1e3, "window" if took else "whole context")
+            if not took:
+                return None
+            dft.adopt(c.state_get(partial=False), tokens, start, DRAFT_SINK)
+        self.window = WINDOW_TRIAL
+        ctrl.draft_cost_changed(t_window)
+        return agree
+
+    def _time_next(self, ctx: _ffi.Context, tok: int, at: int) -> float:
+        """The fastest of WINDOW_TIMINGS single-token decodes of tok at position `at`, each removed again."""
+        clock, best = self.engine.clock, float("inf")
+        for _ in range(WINDOW_TIMINGS):
+            t0 = clock()
+            ctx.decode([tok], at, logits="last")
+            best = min(best, clock() - t0)
+            ctx.seq_rm(at, -1)
+        return best
+
+    def reset_window(self) -> None:
+        """Forget what the window trials chose (as a new session would); a draft holding a window starts again."""
+        self.window, self._trial_at = self.engine.draft_window, 0
+        if self.dft is not None and self.window is None and self.dft.offset:
+            self.dft.clear()
 
     def generate(self, new_tokens: list[int], settings: GenerationSettings,
                  speculative: bool = True) -> "Generation":
@@ -831,6 +924,7 @@ class _Progress:
     restores0: int = 0
     rollbacks0: int = 0
     slides0: int = 0
+    trials0: int = 0
     plain0: int = 0  # the controller's counters when this generation began (it outlives generations)
     probes0: int = 0
     drafted_by: dict = field(default_factory=dict)
@@ -890,6 +984,8 @@ class Generation:
             gen_ms=gen_s * 1e3, decode_ms=(sum(c.decode_s for c in self._ctxs) - p.decode0) * 1e3,
             n_restores=self.session.n_restores - p.restores0, n_rollbacks=self.session.n_rollbacks - p.rollbacks0,
             n_draft_slides=self.session.n_draft_slides - p.slides0,
+            draft_window=self.session.window if self.speculative else None,
+            n_window_trials=self.session.n_window_trials - p.trials0,
             stop_reason=stop,
             accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
                 "greedy" if s.temp <= 0 else "sample"),
@@ -917,19 +1013,29 @@ class Generation:
         self.controller = ctrl
         with_draft = ses.dft is not None and "model" in s.drafters
         tp0 = self._clock()
+        p.trials0 = ses.n_window_trials
         # Where nothing was measured at this context yet, the prefill times single tokens on each model, so
         # that the first step is priced at this context (at thousands of tokens attention changes the costs).
         # Before the draft model was tried enough, the prefill also compares its greedy choices with the target's
         # over the prompt's last rows (greedy decoding: acceptance is exactly that agreement).
-        agree = AGREE_TOKENS if ctrl is not None and with_draft and s.temp <= 0 and ctrl.wants_agreement() else 0
+        greedy_model = ctrl is not None and with_draft and s.temp <= 0
+        wants = greedy_model and ctrl.wants_agreement()
+        # --ctx-draft auto: at a long context, whether a draft window would be faster (Session.try_window)
+        trial = greedy_model and ses.window_trial_due(len(self.new_tokens))
+        agree = AGREE_TOKENS if wants or trial else 0
         timed = ses.prefill(self.new_tokens,
                             timed=(lambda first, last: ctrl.calibration_points(first, last, with_draft))
                             if ctrl is not None else None, agree=agree)
-        p.prompt_s = self._clock() - tp0
         for pos, n, target_s, draft_s in timed:
             ctrl.calibrate(pos, target_s, draft_s, n)
-        if ses.agreement is not None:
-            ctrl.seed_acceptance(*ses.agreement)
+        agreement = ses.agreement
+        if trial and agreement is not None:
+            ctrl.at(len(ses.history))
+            drafter, overhead = (ctrl.per["model"], ctrl.shared.overhead) if auto_drafter else (ctrl, ctrl.overhead)
+            agreement = ses.try_window(drafter, overhead) or agreement
+        if wants and agreement is not None:
+            ctrl.seed_acceptance(*agreement)
+        p.prompt_s = self._clock() - tp0
 
         samp = self._samp = _Sampling(s, self.speculative)
         if ctrl is not None:

@@ -10,8 +10,9 @@ import pytest
 import tinymodels
 
 from specq.errors import UsageError
-from specq.native.adaptive import AdaptiveDraft
-from specq.native.engine import AUTO_DRAFT_CAP, Engine, GenerationSettings, SimulatedClock
+from specq.native.adaptive import AdaptiveDraft, window_pays
+from specq.native.engine import (AUTO_DRAFT_CAP, DRAFT_SINK, WINDOW_TRIAL, Engine, GenerationSettings,
+                                 SimulatedClock)
 
 
 def simulate(alpha: float, draft_ms: float, verify_ms, steps: int = 300, seed: int = 0):
@@ -66,27 +67,43 @@ def test_settings_auto_serialises_and_validates():
         GenerationSettings(draft_max="sometimes").validate()
 
 
+def _padded(path, n_layer: int, attn_scale: float = 1.0):
+    """tiny_target's 2 layers (their attention's output scaled by attn_scale), then n_layer - 2 layers that add
+    exactly zero: same logits as the 2-layer model with that scale, ~n_layer/2 times the cost."""
+    saved = tinymodels.weights
+
+    def padded(spec, n_rows, seed):
+        w = saved(spec, n_rows, seed)  # same seed and draw order: layers 0-1 equal tiny_target's
+        for i in range(spec.n_layer):
+            if i < 2:
+                w[f"blk.{i}.attn_output.weight"][:] *= attn_scale
+            else:
+                w[f"blk.{i}.attn_output.weight"][:] = 0.0
+                w[f"blk.{i}.ffn_down.weight"][:] = 0.0
+        return w
+
+    tinymodels.weights = padded
+    try:
+        return tinymodels.write_tiny_gguf(path, seed=1, spec=tinymodels.TinySpec(n_layer=n_layer))
+    finally:
+        tinymodels.weights = saved
+
+
 @pytest.fixture(scope="module")
 def deep_target(models_dir, tiny_target):
     """tiny_target's 2 layers plus 22 layers that add exactly zero: same logits, ~8x the cost.
 
     With tiny_target as its draft this is a perfect, cheap draft (the demo pair's shape, in miniature).
     """
-    saved = tinymodels.weights
+    return _padded(models_dir / "deep_target.gguf", 24)
 
-    def padded(spec, n_rows, seed):
-        w = saved(spec, n_rows, seed)  # same seed and draw order: layers 0-1 equal tiny_target's
-        for i in range(2, spec.n_layer):
-            w[f"blk.{i}.attn_output.weight"][:] = 0.0
-            w[f"blk.{i}.ffn_down.weight"][:] = 0.0
-        return w
 
-    tinymodels.weights = padded
-    try:
-        return tinymodels.write_tiny_gguf(models_dir / "deep_target.gguf", seed=1,
-                                          spec=tinymodels.TinySpec(n_layer=24))
-    finally:
-        tinymodels.weights = saved
+@pytest.fixture(scope="module")
+def recent_pair(models_dir):
+    """deep_target and tiny_target with their attention's output scaled by 0.1: a pair whose next token depends
+    mostly on the recent tokens, so that a draft window keeps agreeing (running text, for a real small model)."""
+    return (_padded(models_dir / "recent_deep.gguf", 24, attn_scale=0.1),
+            _padded(models_dir / "recent_draft.gguf", 2, attn_scale=0.1))
 
 
 def cpu_like_costs(target_one_ms: float, draft_ms: float):
@@ -262,6 +279,78 @@ def test_at_long_context_the_first_step_is_plain_when_the_measured_costs_make_dr
         assert (drafted, plain) == (0, 1)
         ctrl = ses.controller(auto)
         assert ctrl.n_calibrations == 2 and len(ctrl.bands) == 2  # one at each context
+
+
+def test_a_window_pays_where_it_is_cheaper_and_agrees_about_as_well():
+    verify = lambda b: (40.0 + 25.0 * (b - 1)) / 1e3  # noqa: E731 -- a CPU at long context: each row pays
+    whole, cheap = 0.024, 0.006  # seconds a drafted token: a draft that reads 1,600 tokens, and one that reads 260
+    assert window_pays((32, 32), (31, 32), whole, cheap, verify, 0.0, 16)
+    assert not window_pays((32, 32), (20, 32), whole, cheap, verify, 0.0, 16)  # cheaper, but it loses acceptance
+    assert not window_pays((32, 32), (32, 32), whole, whole, verify, 0.0, 16)  # as dear: nothing to win
+    assert not window_pays((32, 32), (32, 32), whole, 0.99 * whole, verify, 0.0, 16)  # within the margin
+
+
+def test_at_long_context_a_draft_window_is_taken_where_it_is_faster(recent_pair):
+    # --ctx-draft auto. Both models pay 0.015 ms per token of context for each token they decode, but the rows of
+    # a target's verify share most of those reads (a 5-token verify at 1,600 tokens: 76 ms against 44 for one).
+    # A draft that reads the whole context costs 26 ms a token there (~26 tokens/s at best, plain 22.7); one that
+    # reads the last ~260 tokens costs ~6 ms (~42 tokens/s). The window trial times both, takes the window, and
+    # hands its memory to the draft: the first step drafts with no catch-up over the window, and the output is
+    # the target's.
+    base_cost = cpu_like_costs(target_one_ms=20.0, draft_ms=2.0)
+
+    def cost(name: str, n: int, pos0: int = 0) -> float:
+        rows = n if name == "draft" else 1.0 + 0.2 * (n - 1)
+        return base_cost(name, n) + 0.015 * pos0 * rows / 1e3
+
+    clock = SimulatedClock(cost)
+    auto = GenerationSettings(n_predict=24, draft_max="auto")
+    with Engine(*recent_pair, ctx=2048, threads=1, clock=clock) as e:
+        toks = long_prompt(e, 1600)
+        base = e.session().generate(toks, auto, speculative=False).run()
+        assert len(set(base.tokens)) > 3
+        ses = e.session()
+        drafted, plain = first_step(ses, toks, auto)
+        assert ses.n_window_trials == 1 and ses.window == WINDOW_TRIAL
+        assert drafted > 0 and plain == 0
+        assert ses.n_draft_slides == 0  # the trial's memory became the draft's: it did not slide and catch up
+        # the controller prices the draft at the window's cost from then on, not at the whole context's 26 ms
+        assert ses.controller(auto).first_s() < 0.010
+        ses.reset()
+        g = ses.generate(toks, auto).run()
+        assert g.tokens == base.tokens
+        assert g.stats.n_drafted > 0 and g.stats.draft_window == WINDOW_TRIAL
+        assert g.stats.n_window_trials == 0  # decided for the session: no second trial at the same length
+        # the draft's memory is a window: the history's first tokens, then recent ones, at positions 0..
+        dft, hist = ses.dft, ses.history
+        assert 0 < dft.offset and len(dft.tokens) <= WINDOW_TRIAL and dft.tokens[:DRAFT_SINK] == hist[:DRAFT_SINK]
+        dft.extend(hist[dft.next_index():], logits="last")
+        from specq.native import _ffi
+        with _ffi.Context(e.draft, 1024, 1, name="fresh") as fresh:
+            fresh.decode(hist[:DRAFT_SINK] + hist[dft.offset:], 0, logits="last")
+            np.testing.assert_allclose(dft.ctx.logits(1)[0], fresh.logits(1)[0], atol=2e-2)
+
+
+def test_a_draft_window_is_not_taken_where_it_is_no_cheaper(deep_target, tiny_target):
+    # The same pair with attention on the target alone: the draft costs 2 ms a token at any context, so the trial
+    # finds nothing to win and the draft keeps the whole context. The trial's decodes are part of the prefill's
+    # time; --ctx-draft 0 (the whole context, always) runs no trial.
+    base = cpu_like_costs(target_one_ms=20.0, draft_ms=2.0)
+
+    def cost(name: str, n: int, pos0: int = 0) -> float:
+        return base(name, n) + (0.015 * (n * pos0 + n * (n - 1) / 2) / 1e3 if name == "target" else 0.0)
+
+    auto = GenerationSettings(n_predict=8, draft_max="auto")
+    prompt_ms = {}
+    for draft_ctx in ("auto", 0):
+        with Engine(deep_target, tiny_target, ctx=2048, threads=1, clock=SimulatedClock(cost),
+                    draft_ctx=draft_ctx) as e:
+            ses = e.session()
+            g = ses.generate(long_prompt(e, 1600), auto).run()
+            assert ses.window is None and ses.dft.offset == 0 and g.stats.draft_window is None
+            assert g.stats.n_window_trials == ses.n_window_trials == (1 if draft_ctx == "auto" else 0)
+            prompt_ms[draft_ctx] = g.stats.prompt_ms
+    assert prompt_ms["auto"] > prompt_ms[0] + 20.0  # the draft decoded ~260 tokens more, 0.2 ms each here
 
 
 def test_at_long_context_drafting_that_still_pays_starts_at_the_first_step(deep_target, tiny_target):

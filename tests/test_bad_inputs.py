@@ -60,6 +60,8 @@ ROWS: dict[str, Row] = {
     "p-min-nan": Row((*BENCH, "--target", "{target}", "--p-min", "nan"), 2, "--p-min must be a finite number"),
     "flash-attn-bogus": Row((*BENCH, "--target", "{target}", "--flash-attn", "sometimes"), 2,
                             "--flash-attn must be auto, on or off (sometimes)"),
+    "ctx-draft-bogus": Row((*BENCH, "--target", "{target}", "--ctx-draft", "half"), 2,
+                           "--ctx-draft must be a number or auto (half)"),
     "vram-absurd": Row(("plan", "--target", "{target}", "--vram", "99999999999999TiB"), 2, "implausibly large"),
     "n-predict-abc": Row((*BENCH, "--target", "{target}", "--n-predict", "abc"), 2, "'--n-predict'", forbid="╭"),
     "n-predict-abc-value": Row(("bench", "--n-predict=abc"), 2, "(abc); see `specq bench --help`"),

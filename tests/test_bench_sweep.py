@@ -59,6 +59,7 @@ class FakeSession:
 class FakeEngine:
     threads = 2
     draft_window = None
+    window_auto = False
 
     def __init__(self, target, draft, **kw):
         self.draft = draft
