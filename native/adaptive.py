@@ -372,18 +372,23 @@ class AdaptiveDraft:
         return 0
 
     def reach(self, limit: int, overhead: float) -> int:
-        """The longest draft worth considering now, at most `limit`: while evidence is thin, the longest whose step
-        (drafting and verify) costs at most THIN_STEP_COST plain steps. A first draft or two fully accepted (an
-        answer's opening is easy) put every position's estimate near 1, and the best length on those estimates
-        is the cap; at long context on a CPU a 17-token verify costs five single tokens, and that one step lost
-        more than the whole answer could gain. Where batches are cheap (a GPU) the limit is the cap."""
-        if limit <= 1 or not self.thin_evidence():
+        """The longest draft worth considering now, at most `limit`: one whose step (drafting and verify) costs at
+        most THIN_STEP_COST plain steps, or else one at most 2j + 1 long where j is the deepest position tried
+        yet (none while evidence is thin). A first draft or two fully accepted (an answer's opening is easy) put
+        every position's estimate near 1, positions never tried included, and the best length on those estimates
+        is the cap; at long context on a CPU a 17-token verify costs five single tokens, and one such step that
+        fails early loses more than the whole answer could gain. So a dear draft grows by doubling, as far as the
+        outcomes carry it. Where batches are cheap (a GPU) the cost bound alone allows the cap."""
+        if limit <= 1:
             return limit
         most = THIN_STEP_COST * (self.verify_s(1) + overhead)
         first, per = self.first_s(), self.draft_s()
         k = limit
         while k > 1 and first + (k - 1) * per + self.verify_s(k + 1) + overhead > most:
             k -= 1
+        if not self.thin_evidence():
+            tried = max((i + 1 for i, t in enumerate(self.trials) if t >= 0.5), default=0)
+            k = max(k, min(limit, 2 * tried + 1))
         if k < limit:
             self.n_reach_limited += 1
         return k

@@ -37,7 +37,7 @@ AGREE_MIN = 4
 MIN_DRAFT_WINDOW = 2 * (DRAFT_MAX_CAP + 2)  # a window slides to half its size, leaving room for a whole draft
 DRAFT_SINK = 4  # the history's first tokens a draft window keeps (Session._fit_draft)
 # --ctx-draft auto: at a long context a session times a draft that sees only this many recent tokens against the
-# whole-context one, and keeps the faster (Session._try_window); first at WINDOW_TRIAL_MIN tokens, again when
+# whole-context one, and keeps the faster (Session.try_window); first at WINDOW_TRIAL_MIN tokens, again when
 # the context has doubled
 WINDOW_TRIAL = 512
 WINDOW_TRIAL_MIN = 3 * WINDOW_TRIAL
@@ -414,8 +414,8 @@ class Engine:
                 raise UsageError(f"--ctx-draft below --ctx makes the draft see a window of recent tokens, at least "
                                  f"{MIN_DRAFT_WINDOW} ({self.dft_ctx.n_ctx})")
             self.draft_window = self.dft_ctx.n_ctx
-        self.window_auto = self.window_auto and self.draft_window is None and not self.draft.is_recurrent_or_hybrid \
-            if self.draft is not None else False
+        if self.draft_window is not None or self.draft is None or self.draft.is_recurrent_or_hybrid:
+            self.window_auto = False  # a fixed window, no draft model, or a memory that cannot drop a tail
         self.n_ctx = self.tgt_ctx.n_ctx
         self.clock = clock or time.perf_counter
         if isinstance(clock, SimulatedClock):
