@@ -28,6 +28,7 @@ DEFAULT_HORIZON = 128  # tokens a generation is taken to have left when it has n
 SHORT_CTX = 384  # contexts below this share one band: attention is a small part of a step there
 CALIBRATION_BATCHES = (5, 2)  # verify sizes timed in a prefill at a new context: two points give V(b)'s line
 THIN_STEP_COST = 3.0  # while evidence is thin, a step may cost at most this many plain steps (AdaptiveDraft.reach)
+REACH_STEP = 2  # past the deepest position tried, a dear draft grows this many positions a step (AdaptiveDraft.reach)
 WINDOW_MARGIN = 0.05  # a draft window is taken only where it is expected to be this much faster (window_pays)
 
 
@@ -373,12 +374,13 @@ class AdaptiveDraft:
 
     def reach(self, limit: int, overhead: float) -> int:
         """The longest draft worth considering now, at most `limit`: one whose step (drafting and verify) costs at
-        most THIN_STEP_COST plain steps, or else one at most 2j + 1 long where j is the deepest position tried
-        yet (none while evidence is thin). A first draft or two fully accepted (an answer's opening is easy) put
+        most THIN_STEP_COST plain steps, or else one at most REACH_STEP positions past the deepest one tried yet
+        (none while evidence is thin). A first draft or two fully accepted (an answer's opening is easy) put
         every position's estimate near 1, positions never tried included, and the best length on those estimates
         is the cap; at long context on a CPU a 17-token verify costs five single tokens, and one such step that
-        fails early loses more than the whole answer could gain. So a dear draft grows by doubling, as far as the
-        outcomes carry it. Where batches are cheap (a GPU) the cost bound alone allows the cap."""
+        fails early loses more than the whole answer could gain (an 11-token draft failing at its first token
+        cost the demo pair at 2k nine plain tokens). So a dear draft grows a few positions at a time, as far as
+        the outcomes carry it. Where batches are cheap (a GPU) the cost bound alone allows the cap."""
         if limit <= 1:
             return limit
         most = THIN_STEP_COST * (self.verify_s(1) + overhead)
@@ -388,7 +390,7 @@ class AdaptiveDraft:
             k -= 1
         if not self.thin_evidence():
             tried = max((i + 1 for i, t in enumerate(self.trials) if t >= 0.5), default=0)
-            k = max(k, min(limit, 2 * tried + 1))
+            k = max(k, min(limit, tried + REACH_STEP))
         if k < limit:
             self.n_reach_limited += 1
         return k

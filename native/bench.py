@@ -306,8 +306,8 @@ def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
             "llama_cpp_python_version": _ffi.llama_cpp_python_version(),
             "target": model_record(eng, "target"),
             "draft": model_record(eng, "draft") if cfg.draft else None,
-            "settings": {**settings_record(cfg, eng.threads, ngl, ngl_draft),
-                         "draft_window": "auto" if eng.window_auto else eng.draft_window},
+            # draft_window: a fixed window (--ctx-draft N); with auto, runs[].draft_window says what was taken
+            "settings": {**settings_record(cfg, eng.threads, ngl, ngl_draft), "draft_window": eng.draft_window},
             "prompts": [{"index": i, "name": names[i], "n_tokens": len(t)} for i, t in enumerate(prompts)],
             "runs": runs,
             # Without a sweep: the one point. With one: the recommended point; every point is in `sweep`.
