@@ -139,24 +139,23 @@ RpcOpt = Annotated[Optional[str], typer.Option("--rpc", help="RPC servers HOST:P
                                                             "RPC1, ...) and the local GPUs; the draft stays local.")]
 
 
-def parse_draft_max(value: str | int) -> int | str:
-    """--draft-max N or auto."""
+def _number_or_auto(flag: str, value: str | int) -> int | str:
     if isinstance(value, int) or value == "auto":
         return value
     try:
         return int(value)
     except ValueError:
-        raise UsageError(f"--draft-max must be a number or auto ({value})")
+        raise UsageError(f"{flag} must be a number or auto ({value})")
+
+
+def parse_draft_max(value: str | int) -> int | str:
+    """--draft-max N or auto."""
+    return _number_or_auto("--draft-max", value)
 
 
 def parse_ctx_draft(value: str | int) -> int | str:
     """--ctx-draft N or auto."""
-    if isinstance(value, int) or value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise UsageError(f"--ctx-draft must be a number or auto ({value})")
+    return _number_or_auto("--ctx-draft", value)
 
 
 PAIR_SETTINGS = ("draft_max", "draft_min", "p_min", "ctx", "drafter")  # what a pair manifest may suggest
