@@ -108,15 +108,17 @@ def best_draft_length(alphas, t_draft: float, verify_s, overhead: float = 0.0,
     return best_k, best
 
 
-def window_pays(alpha_whole: float, alpha_window: float, t_whole: float, t_window: float, verify_s,
-                overhead: float, cap: int, margin: float = WINDOW_MARGIN) -> bool:
+def window_pays(agree_whole: tuple[int, int], agree_window: tuple[int, int], t_whole: float, t_window: float,
+                verify_s, overhead: float, cap: int, margin: float = WINDOW_MARGIN) -> bool:
     """Whether a draft that sees a window of recent tokens beats one that sees the whole context: each side's
-    acceptance (estimated from prompt rows), its cost per drafted token as timed at the context it would see,
-    and the best draft length on those (best_draft_length, one verify model for both). The window must win by
-    `margin`: it is a change of drafter on thin evidence, and acceptance lost to a window shows only later."""
-    def rate(alpha: float, t: float) -> float:
+    acceptance from its greedy agreement with the target on the same prompt rows ((agreeing, rows), smoothed
+    towards 1/2), its cost per drafted token as timed at the context it would see, and the best draft length on
+    those (best_draft_length, one verify model for both). The window must win by `margin`: it is a change of
+    drafter on thin evidence, and acceptance lost to a window shows only later."""
+    def rate(agree: tuple[int, int], t: float) -> float:
+        alpha = (agree[0] + 1.0) / (agree[1] + 2.0)
         return best_draft_length([alpha] * cap, t, verify_s, overhead)[1]
-    return rate(alpha_window, t_window) > (1.0 + margin) * rate(alpha_whole, t_whole)
+    return rate(agree_window, t_window) > (1.0 + margin) * rate(agree_whole, t_whole)
 
 
 class AdaptiveDraft:

@@ -506,8 +506,7 @@ class Session:
         self.window = engine.draft_window
         self.n_window_trials = 0
         self._trial_at = 0  # the history's length at the last window trial
-        # the last agreement's (position, the target's choices, the draft's choices)
-        self._agree_rows: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._agree_rows: tuple[int, np.ndarray] | None = None  # the last agreement's (position, target's choices)
         self.tgt = _Cache(engine.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
         self.dft = (_Cache(engine.dft_ctx, partial_rm=not engine.draft.is_recurrent_or_hybrid)
                     if engine.dft_ctx is not None else None)
@@ -837,7 +836,7 @@ class Session:
         self.dft.extend(toks, logits="all")
         got = self.dft.ctx.logits(n).argmax(axis=1)
         self.agreement = (int(np.count_nonzero(got == want)), n)
-        self._agree_rows = (pos, want, got)
+        self._agree_rows = (pos, want)
 
     def window_trial_due(self, n_new: int) -> bool:
         """Whether the prefill of n_new more tokens should end in a window trial (--ctx-draft auto)."""
@@ -845,59 +844,40 @@ class Session:
         return self.engine.window_auto and self.window is None and n >= max(WINDOW_TRIAL_MIN, 2 * self._trial_at)
 
     def try_window(self, ctrl: AdaptiveDraft, overhead: float) -> tuple[int, int] | None:
-        """--ctx-draft auto, after a prefill that compared the draft with the target (agreement): decode the
-        history on a scratch context of the draft that holds only its first DRAFT_SINK tokens and the
-        WINDOW_TRIAL // 2 before the agreement rows (what a window holds just after it slides), and compare its
-        greedy choices with the target's on the agreement rows and with the whole-context draft's on those and
-        the AGREE_TOKENS rows before them (a turn may bring only a few rows of the target's). Time a token there
-        and on the whole-context draft (the fastest of WINDOW_TIMINGS decodes each). Where the window is expected
-        to be faster (window_pays, on the controller's verify costs), the session's draft sees a window of
-        WINDOW_TRIAL tokens from now on, starting from the scratch context's memory (no catch-up to pay).
-        `ctrl`: the draft model's controller, at this context (at()). Returns the window's agreement with the
-        target when it was taken, else None."""
+        """--ctx-draft auto, after a prefill that compared the draft with the target (agreement): decode the same
+        prompt rows on a scratch context of the draft that holds only the history's first DRAFT_SINK tokens and
+        the WINDOW_TRIAL // 2 before the rows (what a window holds just after it slides), and time the next token
+        there and on the whole-context draft (the fastest of WINDOW_TIMINGS decodes each). Where the window is
+        expected to be faster (window_pays, on the controller's verify costs), the session's draft sees a window
+        of WINDOW_TRIAL tokens from now on, starting from the scratch context's memory (no catch-up to pay).
+        `ctrl`: the draft model's controller, at this context (at()). Returns the window's agreement when it was
+        taken, else None."""
         dft, hist = self.dft, self.history
         last = len(hist) - 1
         if self._agree_rows is None or dft.next_index() != last:
             return None
-        pos, want, whole_got = self._agree_rows
+        pos, want = self._agree_rows
         n = len(want)
         eng = self.engine
         self._trial_at = len(hist)
         self.n_window_trials += 1
         t_whole = self._time_next(dft.ctx, hist[last], len(dft.tokens))
         start = max(DRAFT_SINK, pos - WINDOW_TRIAL // 2)
-        lo = max(start, pos - AGREE_TOKENS)  # rows before the agreement's that the window holds too
-        dft.truncate(lo)  # the whole-context draft's choices there: evaluated again with every row's logits
-        dft.extend(hist[lo:pos], logits="all")
-        whole_before = dft.ctx.logits(pos - lo).argmax(axis=1) if pos > lo else np.empty(0, dtype=np.int64)
-        dft.extend(hist[pos:last], logits="none")
         tokens = hist[:DRAFT_SINK] + hist[start:last]
-        at = DRAFT_SINK - start  # a history index plus this is its position in the scratch memory
         with _ffi.Context(eng.draft, len(tokens) + 2, eng.draft_threads, n_batch=eng.dft_ctx.n_batch,
                           n_outputs_max=AGREE_TOKENS, name="draft", flash_attn=eng.draft_flash_attn) as c:
             c.on_decode = eng.dft_ctx.on_decode  # a simulated clock prices it as the draft
             c.warm_up()
-            c.decode(tokens[:lo + at], 0, logits="none")
-            before = np.empty(0, dtype=np.int64)
-            if pos > lo:
-                c.decode(tokens[lo + at:pos + at], lo + at, logits="all")
-                before = c.logits(pos - lo).argmax(axis=1)
-            c.decode(tokens[pos + at:pos + at + n], pos + at, logits="all")
-            got = c.logits(n).argmax(axis=1)
-            c.decode(tokens[pos + at + n:], pos + at + n, logits="none")
+            rows = DRAFT_SINK + pos - start  # where the agreement rows begin in the scratch memory
+            c.decode(tokens[:rows], 0, logits="none")
+            c.decode(tokens[rows:rows + n], rows, logits="all")
+            agree = (int(np.count_nonzero(c.logits(n).argmax(axis=1) == want)), n)
+            c.decode(tokens[rows + n:], rows + n, logits="none")
             t_window = self._time_next(c, hist[last], len(tokens))
-            agree = (int(np.count_nonzero(got == want)), n)
-            same = (int(np.count_nonzero(before == whole_before)) + int(np.count_nonzero(got == whole_got)),
-                    len(before) + n)
-            agree_whole = self.agreement
-            alpha_whole = (agree_whole[0] + 1.0) / (agree_whole[1] + 2.0)
-            # the window errs where the whole-context draft erred, or where it chooses differently from it
-            alpha_window = min((agree[0] + 1.0) / (n + 2.0), alpha_whole - (same[1] - same[0]) / (same[1] + 2.0))
-            took = window_pays(alpha_whole, alpha_window, t_whole, t_window, ctrl.verify_s, overhead, ctrl.cap)
+            took = window_pays(self.agreement, agree, t_whole, t_window, ctrl.verify_s, overhead, ctrl.cap)
             log.info("draft window trial at %d tokens: whole context %d/%d agree, %.1f ms a token; last %d tokens "
-                     "%d/%d, the same as the whole-context draft's on %d/%d rows, %.1f ms: %s", len(hist),
-                     *agree_whole, t_whole * 1e3, WINDOW_TRIAL, *agree, *same, t_window * 1e3,
-                     "window" if took else "whole context")
+                     "%d/%d, %.1f ms: %s", len(hist), *self.agreement, t_whole * 1e3, WINDOW_TRIAL, *agree,
+                     t_window * 1e3, "window" if took else "whole context")
             if not took:
                 return None
             dft.adopt(c.state_get(partial=False), tokens, start, DRAFT_SINK)

@@ -284,10 +284,10 @@ def test_at_long_context_the_first_step_is_plain_when_the_measured_costs_make_dr
 def test_a_window_pays_where_it_is_cheaper_and_agrees_about_as_well():
     verify = lambda b: (40.0 + 25.0 * (b - 1)) / 1e3  # noqa: E731 -- a CPU at long context: each row pays
     whole, cheap = 0.024, 0.006  # seconds a drafted token: a draft that reads 1,600 tokens, and one that reads 260
-    assert window_pays(0.97, 0.94, whole, cheap, verify, 0.0, 16)
-    assert not window_pays(0.97, 0.6, whole, cheap, verify, 0.0, 16)  # cheaper, but it loses acceptance
-    assert not window_pays(0.97, 0.97, whole, whole, verify, 0.0, 16)  # as dear: nothing to win
-    assert not window_pays(0.97, 0.97, whole, 0.99 * whole, verify, 0.0, 16)  # within the margin
+    assert window_pays((32, 32), (31, 32), whole, cheap, verify, 0.0, 16)
+    assert not window_pays((32, 32), (20, 32), whole, cheap, verify, 0.0, 16)  # cheaper, but it loses acceptance
+    assert not window_pays((32, 32), (32, 32), whole, whole, verify, 0.0, 16)  # as dear: nothing to win
+    assert not window_pays((32, 32), (32, 32), whole, 0.99 * whole, verify, 0.0, 16)  # within the margin
 
 
 def test_at_long_context_a_draft_window_is_taken_where_it_is_faster(recent_pair):

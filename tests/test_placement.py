@@ -106,9 +106,9 @@ def test_bench_draft_max_auto_accept_and_chat_flags(tiny_target, tiny_close):
                 "--threads", 1, "--ctx", 512, "--json", "-", "-q")
     # by default no fixed window: the draft reads everything, or a window where a trial at long context
     # measures that it pays (each run's draft_window says which)
-    doc = json.loads(raw.stdout)
-    assert doc["settings"]["draft_window"] is None and doc["settings"]["ctx_draft"] == "auto"
-    assert [r["draft_window"] for r in doc["runs"] if r["mode"] == "speculative"] == [None]  # a short prompt
+    short = json.loads(raw.stdout)
+    assert short["settings"]["draft_window"] is None and short["settings"]["ctx_draft"] == "auto"
+    assert [r["draft_window"] for r in short["runs"] if r["mode"] == "speculative"] == [None]  # a short prompt
     # --chat wrapped the prompt in the tiny model's ChatML template (<|im_start|>user ... assistant)
     assert spec["n_prompt"] >= json.loads(raw.stdout)["runs"][0]["n_prompt"] + 6
     assert doc["summary"]["identical_output"] is None  # temperature > 0
