@@ -97,12 +97,12 @@ def run_length(eng: Engine, toks: list[int], modes: list, n_predict: int, repeat
                    "n_accepted": st.n_accepted, "n_plain_steps": st.n_plain_steps, "n_probes": st.n_probes,
                    "steps_by_k": dict(st.steps_by_k), "draft_ms": st.draft_ms, "verify_ms": st.verify_ms,
                    "n_draft_slides": st.n_draft_slides, "draft_window": st.draft_window,
-                   "n_window_trials": st.n_window_trials,
+                   "n_window_trials": st.n_window_trials, "n_window_reverts": st.n_window_reverts,
                    "verify_ms_by_size": [list(v) for v in st.verify_ms_by_size]}
             runs.append(row)
             log(f"  rep {rep} {str(mode):5s} {st.tokens_per_s:6.2f} tok/s  steps {st.n_steps} "
                 f"plain {st.n_plain_steps} drafted {st.n_drafted} accepted {st.n_accepted} "
-                f"window {st.draft_window} prompt {st.prompt_ms:.0f} ms")
+                f"window {st.draft_window} (reverts {st.n_window_reverts}) prompt {st.prompt_ms:.0f} ms")
     ses.reset()
     return summarise(runs, modes)
 

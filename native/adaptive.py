@@ -331,6 +331,16 @@ class AdaptiveDraft:
             c.t_draft = c.t_first = c.t_catchup = None
         self._c.t_first = self._c.t_draft = t_token
 
+    def memory_replaced(self, t_token: float, agreement: tuple[int, int]) -> None:
+        """The drafter drafts from another memory again (a draft window given up for the whole context): its
+        cost is t_token a token at the current context (draft_cost_changed), and the acceptance measured since
+        the change was the other memory's: it is forgotten, and `agreement` ((agreeing, rows) of the memory now
+        used, on the target's choices) seeds the prior instead."""
+        self.draft_cost_changed(t_token)
+        self.succ = [0.0] * self.cap
+        self.trials = [0.0] * self.cap
+        self.seed_acceptance(*agreement)
+
     def wants_agreement(self) -> bool:
         """Whether prompt agreement would inform the next choice (seed_acceptance): while evidence is thin."""
         return self.thin_evidence()

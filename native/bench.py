@@ -114,6 +114,7 @@ def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, setti
         "n_draft_slides": st.n_draft_slides,  # the draft's window moved on (--ctx-draft smaller than --ctx)
         "draft_window": st.draft_window if spec else None,  # recent tokens the draft saw at the end (None: all)
         "n_window_trials": st.n_window_trials if spec else None,  # --ctx-draft auto: windows timed at long context
+        "n_window_reverts": st.n_window_reverts if spec else None,  # windows the answer's rows gave up
         "n_rollbacks": st.n_rollbacks,  # recurrent/hybrid tails dropped through state snapshots instead
         "decode_ms": st.decode_ms, "overhead_fraction": st.overhead_fraction, "stop_reason": st.stop_reason,
     }

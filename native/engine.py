@@ -42,6 +42,10 @@ DRAFT_SINK = 4  # the history's first tokens a draft window keeps (Session._fit_
 WINDOW_TRIAL = 512
 WINDOW_TRIAL_MIN = 3 * WINDOW_TRIAL
 WINDOW_TIMINGS = 3  # single-token decodes timed on each side of a window trial (the fastest counts)
+# A window the trial took on the prompt's rows is kept once it agrees with the target on this many rows of the
+# answer about as well as the whole context does (Session.settle_window); until then the whole context's memory
+# waits untouched, so that giving the window up costs no new prefill
+WINDOW_PROBATION = 24
 ACCEPT_MODES = ("auto", "match", "rejection")
 
 
@@ -187,6 +191,7 @@ class GenerationStats(Rates):
     n_draft_slides: int = 0  # times the draft's window moved on (a --ctx-draft smaller than --ctx)
     draft_window: int | None = None  # the recent tokens the draft sees at the end (None: the whole context)
     n_window_trials: int = 0  # --ctx-draft auto: windowed drafts timed against the whole-context one
+    n_window_reverts: int = 0  # windows a trial took and the answer's rows then gave up (Session.settle_window)
     n_drafted_by: tuple[tuple[str, int], ...] = ()  # per drafter ("model", "ngram", "mtp")
     n_accepted_by: tuple[tuple[str, int], ...] = ()
     # The cost model's inputs (native/cost.py): what each step drafted, verified and cost.
@@ -494,6 +499,22 @@ class _Sampling:
                 t.close()
 
 
+@dataclass
+class _Probation:
+    """A draft window a trial took on the prompt's rows and has not kept yet (Session.settle_window): the window
+    drafts from a context of its own while the whole context's memory (the engine's draft context) waits as the
+    trial left it."""
+
+    whole: _Cache  # the draft's whole-context memory, holding history[:start]
+    start: int  # the history index of the trial's last token: the rows from here on are the answer's
+    offset: int  # the window's offset when taken (a window that slid since cannot replay the answer's rows)
+    agree_whole: tuple[int, int]  # (agreeing, rows) on the prompt's rows, each memory
+    agree_window: tuple[int, int]
+    t_whole: float  # a drafted token's cost, each memory, as the trial timed it
+    t_window: float
+    ctrl: AdaptiveDraft  # the draft model's controller, told when the window is given up
+
+
 class Session:
     """One conversation: the token history and both caches, kept consistent across generations."""
 
@@ -505,7 +526,13 @@ class Session:
         # the draft's window: --ctx-draft's, or with --ctx-draft auto what the window trials chose (None: all)
         self.window = engine.draft_window
         self.n_window_trials = 0
+        self.n_window_reverts = 0  # windows taken on the prompt's rows that the answer's rows gave up
+        self.n_window_measures = 0  # settle_window's that caught the whole context up to compare on the answer
         self._trial_at = 0  # the history's length at the last window trial
+        self._probation: _Probation | None = None  # a window taken and not kept yet (settle_window)
+        # the last settle_window's (agreeing, rows) of the whole context and of the window, prompt and answer rows
+        self.window_evidence: tuple[tuple[int, int], tuple[int, int]] | None = None
+        self._scratch_decode_s = 0.0  # decode time of the window contexts closed so far (decode_s)
         self._agree_rows: tuple[int, np.ndarray] | None = None  # the last agreement's (position, target's choices)
         self.tgt = _Cache(engine.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
         self.dft = (_Cache(engine.dft_ctx, partial_rm=not engine.draft.is_recurrent_or_hybrid)
@@ -515,6 +542,7 @@ class Session:
         self.reset()
 
     def reset(self) -> None:
+        self.abandon_window()
         self.history.clear()  # cleared in place: the MTP drafter reads the same list
         for c in (self.tgt, self.dft, self.mtp):
             if c is not None:
@@ -538,6 +566,12 @@ class Session:
     @property
     def n_ctx(self) -> int:
         return self.engine.n_ctx
+
+    @property
+    def decode_s(self) -> float:
+        """Time inside llama_decode so far on this session's own contexts (a window on probation's)."""
+        pb = self._probation
+        return self._scratch_decode_s + (self.dft.ctx.decode_s if pb is not None else 0.0)
 
     @property
     def n_restores(self) -> int:
@@ -845,16 +879,17 @@ class Session:
 
     def try_window(self, ctrl: AdaptiveDraft, overhead: float) -> tuple[int, int] | None:
         """--ctx-draft auto, after a prefill that compared the draft with the target (agreement): decode the same
-        prompt rows on a scratch context of the draft that holds only the history's first DRAFT_SINK tokens and
-        the WINDOW_TRIAL // 2 before the rows (what a window holds just after it slides), and time the next token
+        prompt rows on a context of the draft's own that holds only the history's first DRAFT_SINK tokens and the
+        WINDOW_TRIAL // 2 before the rows (what a window holds just after it slides), and time the next token
         there and on the whole-context draft (the fastest of WINDOW_TIMINGS decodes each). Where the window is
         expected to be faster (window_pays, on the controller's verify costs), the session's draft sees a window
-        of WINDOW_TRIAL tokens from now on, starting from the scratch context's memory (no catch-up to pay).
+        of WINDOW_TRIAL tokens from now on, drafting from that context (no catch-up to pay), on probation: the
+        answer's first WINDOW_PROBATION rows decide whether it is kept (settle_window).
         `ctrl`: the draft model's controller, at this context (at()). Returns the window's agreement when it was
         taken, else None."""
         dft, hist = self.dft, self.history
         last = len(hist) - 1
-        if self._agree_rows is None or dft.next_index() != last:
+        if self._agree_rows is None or dft.next_index() != last or self._probation is not None:
             return None
         pos, want = self._agree_rows
         n = len(want)
@@ -864,11 +899,14 @@ class Session:
         t_whole = self._time_next(dft.ctx, hist[last], len(dft.tokens))
         start = max(DRAFT_SINK, pos - WINDOW_TRIAL // 2)
         tokens = hist[:DRAFT_SINK] + hist[start:last]
-        with _ffi.Context(eng.draft, len(tokens) + 2, eng.draft_threads, n_batch=eng.dft_ctx.n_batch,
-                          n_outputs_max=AGREE_TOKENS, name="draft", flash_attn=eng.draft_flash_attn) as c:
+        c = _ffi.Context(eng.draft, max(WINDOW_TRIAL, len(tokens) + 2), eng.draft_threads,
+                         n_batch=eng.dft_ctx.n_batch, n_outputs_max=AGREE_TOKENS, name="draft",
+                         flash_attn=eng.draft_flash_attn)
+        took = False
+        try:
             c.on_decode = eng.dft_ctx.on_decode  # a simulated clock prices it as the draft
             c.warm_up()
-            rows = DRAFT_SINK + pos - start  # where the agreement rows begin in the scratch memory
+            rows = DRAFT_SINK + pos - start  # where the agreement rows begin in the window's memory
             c.decode(tokens[:rows], 0, logits="none")
             c.decode(tokens[rows:rows + n], rows, logits="all")
             agree = (int(np.count_nonzero(c.logits(n).argmax(axis=1) == want)), n)
@@ -878,12 +916,83 @@ class Session:
             log.info("draft window trial at %d tokens: whole context %d/%d agree, %.1f ms a token; last %d tokens "
                      "%d/%d, %.1f ms: %s", len(hist), *self.agreement, t_whole * 1e3, WINDOW_TRIAL, *agree,
                      t_window * 1e3, "window" if took else "whole context")
+        finally:
             if not took:
-                return None
-            dft.adopt(c.state_get(partial=False), tokens, start, DRAFT_SINK)
+                c.close()
+        if not took:
+            return None
+        self._probation = _Probation(dft, last, start, self.agreement, agree, t_whole, t_window, ctrl)
+        self.dft = _Cache(c, tokens=list(tokens), offset=start, sink=DRAFT_SINK)
         self.window = WINDOW_TRIAL
         ctrl.draft_cost_changed(t_window)
         return agree
+
+    def window_on_probation(self) -> int | None:
+        """The answer's rows a window on probation has drafted over so far (None: no window on probation)."""
+        pb = self._probation
+        return None if pb is None else len(self.history) - 1 - pb.start
+
+    def settle_window(self, overhead: float) -> bool:
+        """Keep or give up the window on probation (try_window), on the answer's rows so far (at most
+        AGREE_TOKENS; greedy decoding: each next token is the target's own choice) added to the prompt's. The
+        window decodes them again with every row's logits (cheap: it reads a few hundred tokens) and its greedy
+        agreement with the target there is counted. Where window_pays gives the same verdict whether the whole
+        context would have agreed on every one of those rows or on none, that is the verdict; otherwise the whole
+        context's memory catches up on them with every row's logits (at long context the dear part: a row there
+        reads everything) and window_pays decides on both counts. Kept: the draft's context adopts the window's
+        memory. Given up: the whole context's memory drafts again (catching up on what it has not seen), and the
+        controller forgets the acceptance it measured on the window (memory_replaced). Returns whether the window
+        was kept."""
+        pb, win, hist = self._probation, self.dft, self.history
+        whole, ctrl = pb.whole, pb.ctrl
+        n = min(len(hist) - 1 - pb.start, AGREE_TOKENS)
+        agree_whole, agree_window, keep = pb.agree_whole, pb.agree_window, False
+
+        def pays(whole_agree: tuple[int, int]) -> bool:
+            return window_pays(whole_agree, agree_window, pb.t_whole, pb.t_window, ctrl.verify_s, overhead, ctrl.cap)
+
+        try:
+            if n > 0 and win.offset == pb.offset and whole.next_index() == pb.start:
+                rows, want = hist[pb.start:pb.start + n], np.asarray(hist[pb.start + 1:pb.start + 1 + n])
+                win.truncate(win.sink + pb.start - win.offset)
+                win.extend(rows, logits="all")
+                agree_window = (agree_window[0] + int(np.count_nonzero(win.ctx.logits(n).argmax(axis=1) == want)),
+                                agree_window[1] + n)
+                a, m = agree_whole
+                verdict = pays((a + n, m + n))
+                if verdict != pays((a, m + n)):  # it depends on the whole context's rows: measure them
+                    whole.extend(rows, logits="all")
+                    agree_whole = (a + int(np.count_nonzero(whole.ctx.logits(n).argmax(axis=1) == want)), m + n)
+                    verdict = pays(agree_whole)
+                    self.n_window_measures += 1
+                keep = verdict
+            else:
+                keep = pays(agree_whole)
+            self.window_evidence = (agree_whole, agree_window)
+            log.info("draft window after %d rows of the answer: whole context %d/%d agree, window %d/%d: %s", n,
+                     *agree_whole, *agree_window, "kept" if keep else "given up")
+            if keep:
+                whole.adopt(win.ctx.state_get(partial=False), win.tokens, win.offset, win.sink)
+        finally:
+            self._end_probation(keep, agree_whole)
+        return keep
+
+    def abandon_window(self) -> None:
+        """Give up a window on probation without deciding (an interrupted generation, a reset): the whole
+        context's memory drafts again, catching up when it next drafts."""
+        if self._probation is not None:
+            self._end_probation(False, self._probation.agree_whole)
+
+    def _end_probation(self, keep: bool, agree_whole: tuple[int, int]) -> None:
+        pb, win = self._probation, self.dft
+        self._probation = None
+        self.dft = pb.whole
+        self._scratch_decode_s += win.ctx.decode_s
+        win.ctx.close()
+        if not keep:
+            self.window = None
+            self.n_window_reverts += 1
+            pb.ctrl.memory_replaced(pb.t_whole, agree_whole)
 
     def _time_next(self, ctx: _ffi.Context, tok: int, at: int) -> float:
         """The fastest of WINDOW_TIMINGS single-token decodes of tok at position `at`, each removed again."""
@@ -897,6 +1006,7 @@ class Session:
 
     def reset_window(self) -> None:
         """Forget what the window trials chose (as a new session would); a draft holding a window starts again."""
+        self.abandon_window()
         self.window, self._trial_at = self.engine.draft_window, 0
         if self.dft is not None and self.window is None and self.dft.offset:
             self.dft.clear()
@@ -925,6 +1035,7 @@ class _Progress:
     rollbacks0: int = 0
     slides0: int = 0
     trials0: int = 0
+    reverts0: int = 0
     plain0: int = 0  # the controller's counters when this generation began (it outlives generations)
     probes0: int = 0
     drafted_by: dict = field(default_factory=dict)
@@ -981,11 +1092,12 @@ class Generation:
             n_steps=p.n_steps, n_drafted=p.n_drafted, n_accepted=sum(p.accepted),
             accepted_per_pos=tuple(accepted_per_position(p.accepted, s.draft_cap)) if self.speculative else (),
             prompt_ms=p.prompt_s * 1e3, draft_ms=p.draft_s * 1e3, verify_ms=p.verify_s * 1e3,
-            gen_ms=gen_s * 1e3, decode_ms=(sum(c.decode_s for c in self._ctxs) - p.decode0) * 1e3,
+            gen_ms=gen_s * 1e3, decode_ms=(self._decode_s() - p.decode0) * 1e3,
             n_restores=self.session.n_restores - p.restores0, n_rollbacks=self.session.n_rollbacks - p.rollbacks0,
             n_draft_slides=self.session.n_draft_slides - p.slides0,
             draft_window=self.session.window if self.speculative else None,
             n_window_trials=self.session.n_window_trials - p.trials0,
+            n_window_reverts=self.session.n_window_reverts - p.reverts0,
             stop_reason=stop,
             accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
                 "greedy" if s.temp <= 0 else "sample"),
@@ -996,6 +1108,9 @@ class Generation:
             verify_ms_by_size=tuple((b, n, ms * 1e3) for b, (n, ms) in sorted(p.verify_by_size.items())),
             draft_next_ms=p.draft_next_s * 1e3, n_draft_next=p.n_draft_next,
             n_drafted_by=tuple(sorted(p.drafted_by.items())), n_accepted_by=tuple(sorted(p.accepted_by.items())))
+
+    def _decode_s(self) -> float:
+        return sum(c.decode_s for c in self._ctxs) + (self.session.decode_s if self.speculative else 0.0)
 
     def snapshot(self) -> GenerationStats:
         """The stats so far (stop_reason "running"); the final ones once the generation has ended."""
@@ -1011,9 +1126,9 @@ class Generation:
         ctrl = ses.controller(s) if self.speculative and (s.adaptive or auto_drafter) else None
         ses._attach_mtp(self.speculative and any(n in ("mtp", "auto") for n in s.drafters))
         self.controller = ctrl
-        with_draft = ses.dft is not None and "model" in s.drafters
+        with_draft = ses.dft is not None and "model" in ses.available_drafters(s)
         tp0 = self._clock()
-        p.trials0 = ses.n_window_trials
+        p.trials0, p.reverts0 = ses.n_window_trials, ses.n_window_reverts
         # Where nothing was measured at this context yet, the prefill times single tokens on each model, so
         # that the first step is priced at this context (at thousands of tokens attention changes the costs).
         # Before the draft model was tried enough, the prefill also compares its greedy choices with the target's
@@ -1031,8 +1146,8 @@ class Generation:
         agreement = ses.agreement
         if trial and agreement is not None:
             ctrl.at(len(ses.history))
-            drafter, overhead = (ctrl.per["model"], ctrl.shared.overhead) if auto_drafter else (ctrl, ctrl.overhead)
-            agreement = ses.try_window(drafter, overhead) or agreement
+            drafter = ctrl.per["model"] if auto_drafter else ctrl
+            agreement = ses.try_window(drafter, self._overhead()) or agreement
         if wants and agreement is not None:
             ctrl.seed_acceptance(*agreement)
         p.prompt_s = self._clock() - tp0
@@ -1042,7 +1157,7 @@ class Generation:
             p.plain0, p.probes0 = ctrl.n_plain_steps, ctrl.n_probes
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         stop = "interrupted"
-        p.decode0 = sum(c.decode_s for c in self._ctxs)
+        p.decode0 = self._decode_s()
         p.restores0, p.rollbacks0, p.slides0 = ses.n_restores, ses.n_rollbacks, ses.n_draft_slides
         p.t_gen0 = self._clock()
         try:
@@ -1106,11 +1221,17 @@ class Generation:
                         ctrl.observe(step.drafter, *args)
                     else:
                         ctrl.observe(*args)
+                rows = ses.window_on_probation()
+                if rows is not None and rows >= WINDOW_PROBATION:
+                    ses.settle_window(self._overhead())
                 yield from events
                 if done:
                     stop = done
                     break
+            if ses.window_on_probation() is not None:  # an answer shorter than the probation
+                ses.settle_window(self._overhead())
         finally:
+            ses.abandon_window()  # interrupted on probation: the whole context's memory again
             gen_s = self._clock() - p.t_gen0
             try:
                 ses._rewind()
@@ -1120,6 +1241,11 @@ class Generation:
                 if tail:
                     self._text.append(tail)
                 self.stats = self._make_stats(stop, gen_s)
+
+    def _overhead(self) -> float:
+        """The draft model's controller's per-step overhead (--drafter auto: the one all drafters share)."""
+        ctrl = self.controller
+        return ctrl.shared.overhead if isinstance(ctrl, AdaptiveDrafters) else ctrl.overhead
 
     def run(self) -> "Generation":
         """Consume the whole generation (no streaming)."""

@@ -9,6 +9,7 @@ import pytest
 
 import tinymodels
 
+import specq.native.engine as engine_mod
 from specq.errors import UsageError
 from specq.native.adaptive import REACH_STEP, AdaptiveDraft, window_pays
 from specq.native.engine import (AUTO_DRAFT_CAP, DRAFT_SINK, WINDOW_TRIAL, Engine, GenerationSettings,
@@ -290,45 +291,125 @@ def test_a_window_pays_where_it_is_cheaper_and_agrees_about_as_well():
     assert not window_pays((32, 32), (32, 32), whole, 0.99 * whole, verify, 0.0, 16)  # within the margin
 
 
-def test_at_long_context_a_draft_window_is_taken_where_it_is_faster(recent_pair):
-    # --ctx-draft auto. Both models pay 0.015 ms per token of context for each token they decode, but the rows of
-    # a target's verify share most of those reads (a 5-token verify at 1,600 tokens: 76 ms against 44 for one).
-    # A draft that reads the whole context costs 26 ms a token there (~26 tokens/s at best, plain 22.7); one that
-    # reads the last ~260 tokens costs ~6 ms (~42 tokens/s). The window trial times both, takes the window, and
-    # hands its memory to the draft: the first step drafts with no catch-up over the window, and the output is
-    # the target's.
+def recent_costs():
+    """Both models pay 0.015 ms per token of context for each token they decode, but the rows of a target's verify
+    share most of those reads (a 5-token verify at 1,600 tokens: 76 ms against 44 for one). A draft that reads the
+    whole context costs 26 ms a token there (~26 tokens/s at best, plain 22.7); one that reads the last ~260
+    tokens costs ~6 ms (~42 tokens/s)."""
     base_cost = cpu_like_costs(target_one_ms=20.0, draft_ms=2.0)
 
     def cost(name: str, n: int, pos0: int = 0) -> float:
         rows = n if name == "draft" else 1.0 + 0.2 * (n - 1)
         return base_cost(name, n) + 0.015 * pos0 * rows / 1e3
+    return cost
 
-    clock = SimulatedClock(cost)
-    auto = GenerationSettings(n_predict=24, draft_max="auto")
-    with Engine(*recent_pair, ctx=2048, threads=1, clock=clock) as e:
+
+def test_at_long_context_a_draft_window_is_taken_where_it_is_faster(recent_pair):
+    # --ctx-draft auto (recent_costs). The window trial times both drafts and takes the window: the first step
+    # drafts from the trial's memory with no catch-up over the window, on probation (the whole context's memory
+    # waits). The answer's rows confirm it (the pair depends mostly on recent tokens): the draft's context adopts
+    # the window's memory, and the output is the target's.
+    from specq.native import _ffi
+
+    auto = GenerationSettings(n_predict=32, draft_max="auto")
+    with Engine(*recent_pair, ctx=2048, threads=1, clock=SimulatedClock(recent_costs())) as e:
         toks = long_prompt(e, 1600)
         base = e.session().generate(toks, auto, speculative=False).run()
         assert len(set(base.tokens)) > 3
         ses = e.session()
-        drafted, plain = first_step(ses, toks, auto)
-        assert ses.n_window_trials == 1 and ses.window == WINDOW_TRIAL
-        assert drafted > 0 and plain == 0
-        assert ses.n_draft_slides == 0  # the trial's memory became the draft's: it did not slide and catch up
+        gen = ses.generate(toks, auto)
+        it = iter(gen)
+        next(it)
+        snap = gen.snapshot()
+        assert ses.n_window_trials == 1 and ses.window == WINDOW_TRIAL and ses.window_on_probation() is not None
+        assert snap.n_drafted > 0 and snap.n_plain_steps == 0
+        assert ses.n_draft_slides == 0  # the trial's memory drafts: it did not slide and catch up
+        assert ses.dft.ctx is not e.dft_ctx  # ...from a context of its own, the whole context's memory untouched
         # the controller prices the draft at the window's cost from then on, not at the whole context's 26 ms
         assert ses.controller(auto).first_s() < 0.010
+        for _ in it:
+            pass
+        g = gen
+        assert g.tokens == base.tokens
+        assert g.stats.n_drafted > 0 and g.stats.draft_window == WINDOW_TRIAL and g.stats.n_window_reverts == 0
+        # decided again on the prompt's 32 rows and at least WINDOW_PROBATION of the answer's: the window agrees
+        # there as well, and costs a quarter of the whole context's a token: it wins even if the whole context
+        # agreed on every row, so the whole context's memory was not caught up to find out
+        whole, window = ses.window_evidence
+        assert window[1] >= 32 + engine_mod.WINDOW_PROBATION and window[0] >= 0.9 * window[1]
+        assert whole == (32, 32) and ses.n_window_measures == 0
+        assert ses.window_on_probation() is None and ses.dft.ctx is e.dft_ctx  # kept: adopted
         ses.reset()
         g = ses.generate(toks, auto).run()
-        assert g.tokens == base.tokens
-        assert g.stats.n_drafted > 0 and g.stats.draft_window == WINDOW_TRIAL
+        assert g.tokens == base.tokens and g.stats.draft_window == WINDOW_TRIAL
         assert g.stats.n_window_trials == 0  # decided for the session: no second trial at the same length
         # the draft's memory is a window: the history's first tokens, then recent ones, at positions 0..
         dft, hist = ses.dft, ses.history
         assert 0 < dft.offset and len(dft.tokens) <= WINDOW_TRIAL and dft.tokens[:DRAFT_SINK] == hist[:DRAFT_SINK]
         dft.extend(hist[dft.next_index():], logits="last")
-        from specq.native import _ffi
         with _ffi.Context(e.draft, 1024, 1, name="fresh") as fresh:
             fresh.decode(hist[:DRAFT_SINK] + hist[dft.offset:], 0, logits="last")
             np.testing.assert_allclose(dft.ctx.logits(1)[0], fresh.logits(1)[0], atol=2e-2)
+
+
+def test_with_drafter_auto_the_draft_model_is_compared_and_its_window_tried(recent_pair):
+    # --drafter auto picks among the n-gram lookup and the draft model each step; the draft model is one of them,
+    # so the prefill compares its greedy choices with the target's (the acceptance prior) and, at long context,
+    # times its window, as for --drafter model.
+    auto = GenerationSettings(n_predict=32, draft_max="auto", drafter="auto")
+    with Engine(*recent_pair, ctx=2048, threads=1, clock=SimulatedClock(recent_costs())) as e:
+        toks = long_prompt(e, 1600)
+        plain = e.session().generate(toks, auto, speculative=False).run()
+        ses = e.session()
+        g = ses.generate(toks, auto).run()
+        assert g.tokens == plain.tokens
+        assert ses.agreement is not None and ses.controller(auto).n_seeds == 1
+        assert g.stats.n_window_trials == 1 and ses.window_evidence is not None
+        assert dict(g.stats.n_drafted_by).get("model", 0) > 0
+
+
+def test_a_window_the_answer_does_not_bear_out_is_given_up_without_a_new_prefill(recent_pair, monkeypatch):
+    # The trial takes the window (forced here: its first window_pays says yes, as 8 prompt rows that happen to
+    # agree can), but the window is no cheaper (the draft costs 2 ms a token at any context). After the answer's
+    # first WINDOW_PROBATION rows window_pays, on them too, gives it up: the whole context's memory, which waited
+    # as the trial left it, catches up on those rows alone (no new prefill of the 1,600 tokens), the controller
+    # forgets the window's acceptance and is seeded from the whole context's agreement, drafting goes on, and the
+    # output is the target's.
+    base = cpu_like_costs(target_one_ms=20.0, draft_ms=2.0)
+    decoded = {"draft": 0, "target": 0}
+
+    def cost(name: str, n: int, pos0: int = 0) -> float:
+        decoded[name] += n
+        return base(name, n) + (0.015 * pos0 * (1.0 + 0.2 * (n - 1)) / 1e3 if name == "target" else 0.0)
+
+    real, calls = engine_mod.window_pays, []
+
+    def first_says_yes(*args, **kw):
+        calls.append(args[:2])
+        return True if len(calls) == 1 else real(*args, **kw)
+
+    monkeypatch.setattr(engine_mod, "window_pays", first_says_yes)
+    auto = GenerationSettings(n_predict=40, draft_max="auto")
+    with Engine(*recent_pair, ctx=2048, threads=1, clock=SimulatedClock(cost)) as e:
+        toks = long_prompt(e, 1600)
+        plain = e.session().generate(toks, auto, speculative=False).run()
+        ses = e.session()
+        decoded["draft"] = 0
+        g = ses.generate(toks, auto).run()
+        assert g.tokens == plain.tokens and len(set(g.tokens)) > 3
+        # the verdict depended on the whole context's rows of the answer (the window agrees there, and is no
+        # cheaper): they were measured, and both sides compared on the same rows
+        assert ses.n_window_measures == 1
+        whole, window = ses.window_evidence
+        assert calls[-1] == (whole, window) and whole[1] == window[1] >= 8 + engine_mod.WINDOW_PROBATION
+        assert g.stats.n_window_trials == 1 and g.stats.n_window_reverts == 1 and g.stats.draft_window is None
+        assert ses.window is None and ses.dft.ctx is e.dft_ctx and ses.dft.offset == 0
+        assert ses.dft.tokens == ses.history[:len(ses.dft.tokens)]  # the whole history, caught up
+        # the prompt once (1,600), the trial's window (~300) and the answer's rows: not a second prefill
+        assert decoded["draft"] < 1600 + 400 + 3 * auto.n_predict
+        ctrl = ses.controller(auto)
+        assert ctrl.n_seeds == 2  # the prompt's agreement, then the whole context's again after the revert
+        assert g.stats.n_drafted > 0 and ctrl.trials[0] > 0  # it drafts on from the whole context
 
 
 def test_a_draft_window_is_not_taken_where_it_is_no_cheaper(deep_target, tiny_target):
@@ -418,8 +499,6 @@ def test_prompt_agreement_lets_a_pair_that_agrees_draft_from_the_first_step(deep
     # plain decoding wins (35.6 against 38.5 tokens/s at best), at 97% drafting wins (51.5). The prefill compares
     # the draft's greedy choices with the target's on the prompt's last rows: a draft that agrees drafts at
     # once, an unrelated one does not.
-    import specq.native.engine as engine_mod
-
     auto = GenerationSettings(n_predict=16, draft_max="auto")
     clock = SimulatedClock(context_costs(attn_ms_per_row_token=0.004))
     with Engine(deep_target, tiny_target, ctx=2048, draft_ctx=0, threads=1, clock=clock) as e:
