@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import ContextFullError, ModelFileError, UsageError
 from . import _ffi
 from .accept import accepted_per_position, greedy_emit, rejection_emit, top_probability
-from .adaptive import AdaptiveDraft, AdaptiveDrafters, window_pays
+from .adaptive import AdaptiveDraft, AdaptiveDrafters, paired_acceptance, window_pays, window_pays_at
 from .compat import VocabInfo, check_compatible
 from .mtp import MtpDrafter
 from .ngram import parse_drafter, point_mass, propose
@@ -508,11 +508,11 @@ class _Probation:
     whole: _Cache  # the draft's whole-context memory, holding history[:start]
     start: int  # the history index of the trial's last token: the rows from here on are the answer's
     offset: int  # the window's offset when taken (a window that slid since cannot replay the answer's rows)
-    agree_whole: tuple[int, int]  # (agreeing, rows) on the prompt's rows, each memory
-    agree_window: tuple[int, int]
     t_whole: float  # a drafted token's cost, each memory, as the trial timed it
     t_window: float
     ctrl: AdaptiveDraft  # the draft model's controller, told when the window is given up
+    whole_ok: np.ndarray  # the prompt's rows where each memory's greedy choice was the target's
+    window_ok: np.ndarray
 
 
 class Session:
@@ -533,7 +533,8 @@ class Session:
         # the last settle_window's (agreeing, rows) of the whole context and of the window, prompt and answer rows
         self.window_evidence: tuple[tuple[int, int], tuple[int, int]] | None = None
         self._scratch_decode_s = 0.0  # decode time of the window contexts closed so far (decode_s)
-        self._agree_rows: tuple[int, np.ndarray] | None = None  # the last agreement's (position, target's choices)
+        # the last agreement's (position, the target's choices, the rows where the draft's were the same)
+        self._agree_rows: tuple[int, np.ndarray, np.ndarray] | None = None
         self.tgt = _Cache(engine.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
         self.dft = (_Cache(engine.dft_ctx, partial_rm=not engine.draft.is_recurrent_or_hybrid)
                     if engine.dft_ctx is not None else None)
@@ -870,7 +871,7 @@ class Session:
         self.dft.extend(toks, logits="all")
         got = self.dft.ctx.logits(n).argmax(axis=1)
         self.agreement = (int(np.count_nonzero(got == want)), n)
-        self._agree_rows = (pos, want)
+        self._agree_rows = (pos, want, got == want)
 
     def window_trial_due(self, n_new: int) -> bool:
         """Whether the prefill of n_new more tokens should end in a window trial (--ctx-draft auto)."""
@@ -891,7 +892,7 @@ class Session:
         last = len(hist) - 1
         if self._agree_rows is None or dft.next_index() != last or self._probation is not None:
             return None
-        pos, want = self._agree_rows
+        pos, want, whole_ok = self._agree_rows
         n = len(want)
         eng = self.engine
         self._trial_at = len(hist)
@@ -909,7 +910,8 @@ class Session:
             rows = DRAFT_SINK + pos - start  # where the agreement rows begin in the window's memory
             c.decode(tokens[:rows], 0, logits="none")
             c.decode(tokens[rows:rows + n], rows, logits="all")
-            agree = (int(np.count_nonzero(c.logits(n).argmax(axis=1) == want)), n)
+            window_ok = c.logits(n).argmax(axis=1) == want
+            agree = (int(np.count_nonzero(window_ok)), n)
             c.decode(tokens[rows + n:], rows + n, logits="none")
             t_window = self._time_next(c, hist[last], len(tokens))
             took = window_pays(self.agreement, agree, t_whole, t_window, ctrl.verify_s, overhead, ctrl.cap)
@@ -921,7 +923,7 @@ class Session:
                 c.close()
         if not took:
             return None
-        self._probation = _Probation(dft, last, start, self.agreement, agree, t_whole, t_window, ctrl)
+        self._probation = _Probation(dft, last, start, t_whole, t_window, ctrl, whole_ok, window_ok)
         self.dft = _Cache(c, tokens=list(tokens), offset=start, sink=DRAFT_SINK)
         self.window = WINDOW_TRIAL
         ctrl.draft_cost_changed(t_window)
@@ -936,38 +938,41 @@ class Session:
         """Keep or give up the window on probation (try_window), on the answer's rows so far (at most
         AGREE_TOKENS; greedy decoding: each next token is the target's own choice) added to the prompt's. The
         window decodes them again with every row's logits (cheap: it reads a few hundred tokens) and its greedy
-        agreement with the target there is counted. Where window_pays gives the same verdict whether the whole
-        context would have agreed on every one of those rows or on none, that is the verdict; otherwise the whole
-        context's memory catches up on them with every row's logits (at long context the dear part: a row there
-        reads everything) and window_pays decides on both counts. Kept: the draft's context adopts the window's
+        agreement with the target there is counted. Both memories' acceptances come from their agreement row for
+        row (paired_acceptance: a difference within its own noise counts as none), and window_pays_at decides.
+        Where it gives the same verdict whether the whole context would have agreed on every one of those rows or
+        on none, that is the verdict; otherwise the whole context's memory catches up on them with every row's
+        logits (at long context the dear part: a row there reads everything) and both are compared row for row. Kept: the draft's context adopts the window's
         memory. Given up: the whole context's memory drafts again (catching up on what it has not seen), and the
         controller forgets the acceptance it measured on the window (memory_replaced). Returns whether the window
         was kept."""
         pb, win, hist = self._probation, self.dft, self.history
         whole, ctrl = pb.whole, pb.ctrl
         n = min(len(hist) - 1 - pb.start, AGREE_TOKENS)
-        agree_whole, agree_window, keep = pb.agree_whole, pb.agree_window, False
+        whole_ok, window_ok, keep = pb.whole_ok, pb.window_ok, False
+        agree_whole = (int(np.count_nonzero(whole_ok)), len(whole_ok))
 
-        def pays(whole_agree: tuple[int, int]) -> bool:
-            return window_pays(whole_agree, agree_window, pb.t_whole, pb.t_window, ctrl.verify_s, overhead, ctrl.cap)
+        def pays(whole_rows: np.ndarray) -> bool:
+            a_whole, a_window = paired_acceptance(whole_rows, window_ok)
+            return window_pays_at(a_whole, a_window, pb.t_whole, pb.t_window, ctrl.verify_s, overhead, ctrl.cap)
 
         try:
             if n > 0 and win.offset == pb.offset and whole.next_index() == pb.start:
                 rows, want = hist[pb.start:pb.start + n], np.asarray(hist[pb.start + 1:pb.start + 1 + n])
                 win.truncate(win.sink + pb.start - win.offset)
                 win.extend(rows, logits="all")
-                agree_window = (agree_window[0] + int(np.count_nonzero(win.ctx.logits(n).argmax(axis=1) == want)),
-                                agree_window[1] + n)
-                a, m = agree_whole
-                verdict = pays((a + n, m + n))
-                if verdict != pays((a, m + n)):  # it depends on the whole context's rows: measure them
+                window_ok = np.concatenate([window_ok, win.ctx.logits(n).argmax(axis=1) == want])
+                keep = pays(np.concatenate([whole_ok, np.ones(n, dtype=bool)]))
+                if keep != pays(np.concatenate([whole_ok, np.zeros(n, dtype=bool)])):
+                    # the verdict depends on the whole context's rows: measure them
                     whole.extend(rows, logits="all")
-                    agree_whole = (a + int(np.count_nonzero(whole.ctx.logits(n).argmax(axis=1) == want)), m + n)
-                    verdict = pays(agree_whole)
+                    whole_ok = np.concatenate([whole_ok, whole.ctx.logits(n).argmax(axis=1) == want])
+                    keep = pays(whole_ok)
                     self.n_window_measures += 1
-                keep = verdict
             else:
-                keep = pays(agree_whole)
+                keep = pays(whole_ok)
+            agree_whole = (int(np.count_nonzero(whole_ok)), len(whole_ok))
+            agree_window = (int(np.count_nonzero(window_ok)), len(window_ok))
             self.window_evidence = (agree_whole, agree_window)
             log.info("draft window after %d rows of the answer: whole context %d/%d agree, window %d/%d: %s", n,
                      *agree_whole, *agree_window, "kept" if keep else "given up")
@@ -981,7 +986,8 @@ class Session:
         """Give up a window on probation without deciding (an interrupted generation, a reset): the whole
         context's memory drafts again, catching up when it next drafts."""
         if self._probation is not None:
-            self._end_probation(False, self._probation.agree_whole)
+            ok = self._probation.whole_ok
+            self._end_probation(False, (int(np.count_nonzero(ok)), len(ok)))
 
     def _end_probation(self, keep: bool, agree_whole: tuple[int, int]) -> None:
         pb, win = self._probation, self.dft
