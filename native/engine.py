@@ -499,6 +499,11 @@ class _Sampling:
                 t.close()
 
 
+def _agreeing(ok: np.ndarray) -> tuple[int, int]:
+    """(rows where the draft's greedy choice was the target's, rows compared)."""
+    return int(np.count_nonzero(ok)), len(ok)
+
+
 @dataclass
 class _Probation:
     """A draft window a trial took on the prompt's rows and has not kept yet (Session.settle_window): the window
@@ -870,8 +875,9 @@ class Session:
             return
         self.dft.extend(toks, logits="all")
         got = self.dft.ctx.logits(n).argmax(axis=1)
-        self.agreement = (int(np.count_nonzero(got == want)), n)
-        self._agree_rows = (pos, want, got == want)
+        ok = got == want
+        self.agreement = _agreeing(ok)
+        self._agree_rows = (pos, want, ok)
 
     def window_trial_due(self, n_new: int) -> bool:
         """Whether the prefill of n_new more tokens should end in a window trial (--ctx-draft auto)."""
@@ -911,7 +917,7 @@ class Session:
             c.decode(tokens[:rows], 0, logits="none")
             c.decode(tokens[rows:rows + n], rows, logits="all")
             window_ok = c.logits(n).argmax(axis=1) == want
-            agree = (int(np.count_nonzero(window_ok)), n)
+            agree = _agreeing(window_ok)
             c.decode(tokens[rows + n:], rows + n, logits="none")
             t_window = self._time_next(c, hist[last], len(tokens))
             took = window_pays(self.agreement, agree, t_whole, t_window, ctrl.verify_s, overhead, ctrl.cap)
@@ -942,15 +948,15 @@ class Session:
         row (paired_acceptance: a difference within its own noise counts as none), and window_pays_at decides.
         Where it gives the same verdict whether the whole context would have agreed on every one of those rows or
         on none, that is the verdict; otherwise the whole context's memory catches up on them with every row's
-        logits (at long context the dear part: a row there reads everything) and both are compared row for row. Kept: the draft's context adopts the window's
-        memory. Given up: the whole context's memory drafts again (catching up on what it has not seen), and the
-        controller forgets the acceptance it measured on the window (memory_replaced). Returns whether the window
-        was kept."""
+        logits (at long context the dear part: a row there reads everything) and both are compared row for row.
+        Kept: the draft's context adopts the window's memory. Given up: the whole context's memory drafts again
+        (catching up on what it has not seen), and the controller forgets the acceptance it measured on the window
+        (memory_replaced). Returns whether the window was kept."""
         pb, win, hist = self._probation, self.dft, self.history
         whole, ctrl = pb.whole, pb.ctrl
         n = min(len(hist) - 1 - pb.start, AGREE_TOKENS)
         whole_ok, window_ok, keep = pb.whole_ok, pb.window_ok, False
-        agree_whole = (int(np.count_nonzero(whole_ok)), len(whole_ok))
+        agree_whole = _agreeing(whole_ok)
 
         def pays(whole_rows: np.ndarray) -> bool:
             a_whole, a_window = paired_acceptance(whole_rows, window_ok)
@@ -971,8 +977,7 @@ class Session:
                     self.n_window_measures += 1
             else:
                 keep = pays(whole_ok)
-            agree_whole = (int(np.count_nonzero(whole_ok)), len(whole_ok))
-            agree_window = (int(np.count_nonzero(window_ok)), len(window_ok))
+            agree_whole, agree_window = _agreeing(whole_ok), _agreeing(window_ok)
             self.window_evidence = (agree_whole, agree_window)
             log.info("draft window after %d rows of the answer: whole context %d/%d agree, window %d/%d: %s", n,
                      *agree_whole, *agree_window, "kept" if keep else "given up")
@@ -986,8 +991,7 @@ class Session:
         """Give up a window on probation without deciding (an interrupted generation, a reset): the whole
         context's memory drafts again, catching up when it next drafts."""
         if self._probation is not None:
-            ok = self._probation.whole_ok
-            self._end_probation(False, (int(np.count_nonzero(ok)), len(ok)))
+            self._end_probation(False, _agreeing(self._probation.whole_ok))
 
     def _end_probation(self, keep: bool, agree_whole: tuple[int, int]) -> None:
         pb, win = self._probation, self.dft
