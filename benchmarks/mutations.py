@@ -18,7 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_exactness.py", "tests/test_rejection.py", "tests/test_engine.py", "tests/test_accept.py",
-         "tests/test_tinyqwen35.py", "tests/test_hybrid.py", "tests/test_swa.py", "tests/test_mtp.py"]
+         "tests/test_tinyqwen35.py", "tests/test_hybrid.py", "tests/test_swa.py", "tests/test_mtp.py",
+         "tests/test_counts.py"]
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,12 @@ MUTANTS = [
            (("native/engine.py", "q = restrict(samp.draft_tf(row), n_vocab_tgt)", "q = samp.draft_tf(row)"),
             ("native/engine.py", "return None if stop else (tok, q)",
              "return None if stop or tok >= n_vocab_tgt else (tok, q)"))),
-    Mutant("count-unemitted", "n_drafted/n_accepted count draft tokens past an EOG or n_predict cut (defect 4)",
-           (("native/engine.py",
-             "drafted, accepted = min(step.n_drafted, len(events)), min(len(step.emitted) - 1, len(events))",
-             "drafted, accepted = step.n_drafted, len(step.emitted) - 1"),)),
+    Mutant("count-unemitted", "n_drafted/n_accepted count draft tokens past an EOG or a stop inside a step "
+                              "(defect 4)",
+           (("native/engine.py", "        if n_kept < len(step.emitted):\n", "        if False:\n"),)),
+    Mutant("count-emitted-only", "a step counts as drafted only the positions up to its first rejection, not every "
+                                 "draft token verified (accept_rate became the per-position α)",
+           (("native/engine.py", "        if n_kept < len(step.emitted):\n", "        if True:\n"),)),
     Mutant("mtp-pairing", "the MTP head fed token k with the trunk's hidden state h_{k-2} instead of h_{k-1}",
            (("native/mtp.py", "            rows = self.rows.take(m - 1, upto - 1)\n",
              "            rows = np.roll(self.rows.take(m - 1, upto - 1), 1, axis=0)\n"),)),

@@ -61,6 +61,10 @@ def _fmt(v, spec: str = ".1f", none: str = "–") -> str:
     return none if v is None else format(v, spec)
 
 
+def _pct0(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.0f}"
+
+
 def _pct(v) -> str:
     return "–" if v is None else f"{100 * v:.1f}%"
 
@@ -88,7 +92,7 @@ def render_table(doc: dict) -> Table:
     repeats with the min–max range (short headers so it reads at 80 columns)."""
     multi = bool(doc.get("sweep"))
     t = Table(title="specq bench" + (" (recommended point)" if multi else ""), title_justify="left")
-    for col in ("prompt", "mode", "tok/s", "min–max", "accept", "acc/st", "draft", "verify"):
+    for col in ("prompt", "mode", "tok/s", "min–max", "accept", "α", "acc/st", "draft", "verify"):
         t.add_column(col, justify="left" if col in ("prompt", "mode") else "right")
     s = doc["summary"]
     names = {p["index"]: p["name"] or str(p["index"]) for p in doc.get("prompts", [])}
@@ -101,24 +105,26 @@ def render_table(doc: dict) -> Table:
                 continue
             tps, lo, hi = _agg(rows, "tokens_per_s")
             t.add_row(names.get(pi, str(pi))[:10], "base" if mode == "baseline" else "spec", _fmt(tps),
-                      f"{lo:.0f}–{hi:.0f}", _pct(_agg(rows, "accept_rate")[0]),
+                      f"{lo:.0f}–{hi:.0f}", _pct(_agg(rows, "accept_rate")[0]), _pct(_agg(rows, "alpha")[0]),
                       _fmt(_agg(rows, "mean_accepted_per_step")[0], ".2f"),
                       _fmt(_agg(rows, "draft_ms")[0], ".0f"), _fmt(_agg(rows, "verify_ms")[0], ".0f"))
     return t
 
 
 def render_sweep(doc: dict) -> Table:
-    """One row per sweep point: tokens/s, speed-up, acceptance, and the ideal speed-up from the measured α and c."""
+    """One row per sweep point: tokens/s, speed-up, acceptance (of drafted tokens, and α per position reached), and
+    the ideal speed-up from the measured α and c."""
     t = Table(title="sweep · ×: measured speed-up · pred: the cost model on the measured acceptance per position "
-                    "and costs · ideal: the same with a verify as cheap as one token", title_justify="left")
-    for col in ("k", "p-min", "tok/s", "×", "accept", "acc/st", "ideal", "pred", "c", "verify"):
+                    "and costs · ideal: the same with a verify as cheap as one token · acc%: accepted of drafted · α%: "
+                    "accepted per position reached · c, v: a draft token's and a verify's cost in target tokens", title_justify="left")
+    for col in ("k", "p-min", "tok/s", "×", "acc%", "α%", "acc/st", "ideal", "pred", "c", "v"):
         t.add_column(col, justify="right")
     best = doc.get("recommendation") or {}
     for pt in doc["sweep"]:
         s = pt["summary"]
         is_best = (pt["draft_max"], pt["p_min"]) == (best.get("draft_max"), best.get("p_min"))
         t.add_row(str(pt["draft_max"]), f"{pt['p_min']:g}", _fmt(s["speculative_tokens_per_s"]),
-                  _fmt(s["speedup"], ".2f"), _pct(s.get("alpha")),
+                  _fmt(s["speedup"], ".2f"), _pct0(s.get("accept_rate")), _pct0(s.get("alpha")),
                   _fmt(s["mean_accepted_per_step"], ".2f"), _fmt(s.get("ideal_speedup"), ".2f"),
                   _fmt(s.get("predicted_speedup"), ".2f"), _fmt(s.get("cost_ratio"), ".3f"),
                   _fmt(s.get("verify_cost"), ".2f"),
@@ -168,7 +174,9 @@ def summary_line(doc: dict) -> str:
              f"speculative {_fmt(s['speculative_tokens_per_s'])} tok/s",
              f"speed-up {_fmt(s['speedup'], '.2f')}×"]
     if s["accept_rate"] is not None:
-        parts.append(f"accept {100 * s['accept_rate']:.1f}%")
+        parts.append(f"accept {100 * s['accept_rate']:.1f}% of drafted")
+    if s.get("alpha") is not None:
+        parts.append(f"α {100 * s['alpha']:.1f}% per position")
     if s["identical_output"] is not None:
         parts.append("output identical to baseline" if s["identical_output"] else "OUTPUT DIFFERS from baseline")
     return " · ".join(parts)

@@ -56,6 +56,7 @@ def build_panel(d: PanelData, color: bool = True) -> Panel:
     if d.speculative:
         g.add_row("accept", f"{_pct(d.answer_accept)} answer", f"{_pct(d.session_accept)} session",
                   f"tokens/step {_num(d.tokens_per_step, '.2f')}")
+        g.add_row("α per pos", f"{_pct(d.answer_alpha)} answer", f"{_pct(d.session_alpha)} session", "")
         g.add_row("per step", f"draft {_num(d.draft_ms_step)} ms", f"verify {_num(d.verify_ms_step)} ms",
                   f"verify/draft {_num(d.verify_draft_ratio)}×")
     g.add_row("speed", f"{_num(d.window_tps)} tok/s (10 s)", f"tokens {d.n_generated}",
@@ -73,12 +74,13 @@ def build_panel(d: PanelData, color: bool = True) -> Panel:
 def stats_table(totals: Totals, turns: list[Turn]) -> Table:
     """/stats: one row per answer and a session total."""
     t = Table(title="session", title_justify="left")
-    for col in ("turn", "prompt", "tokens", "tok/s", "accept", "acc/step", "stop"):
+    for col in ("turn", "prompt", "tokens", "tok/s", "accept", "α", "acc/step", "stop"):
         t.add_column(col, justify="right" if col not in ("stop",) else "left")
     for i, tr in enumerate(turns, 1):
         st = tr.stats
         t.add_row(str(i), str(st.n_prompt), str(st.n_generated), _num(st.tokens_per_s), _pct(st.accept_rate),
-                  _num(st.mean_accepted_per_step, ".2f"), st.stop_reason)
+                  _pct(st.alpha), _num(st.mean_accepted_per_step, ".2f"), st.stop_reason)
     t.add_row("all", str(totals.n_prompt), str(totals.n_generated), _num(totals.tokens_per_s),
-              _pct(totals.accept_rate), _num(totals.mean_accepted_per_step, ".2f"), "", style="bold")
+              _pct(totals.accept_rate), _pct(totals.alpha), _num(totals.mean_accepted_per_step, ".2f"), "",
+              style="bold")
     return t

@@ -26,7 +26,8 @@ def render(result: TuneResult) -> Table:
     t = Table(title="specq tune", title_justify="left")
     t.add_column("measure")
     t.add_column("value", justify="right")
-    t.add_row("accept rate", "–" if result.accept_rate is None else f"{100 * result.accept_rate:.1f}%")
+    t.add_row("accept rate (of drafted)", "–" if result.accept_rate is None else f"{100 * result.accept_rate:.1f}%")
+    t.add_row("α (per position reached)", "–" if result.alpha is None else f"{100 * result.alpha:.1f}%")
     for i, a in enumerate(result.accept_by_pos, 1):
         t.add_row(f"  acceptance at position {i}", f"{100 * a:.1f}%")
     t.add_row("target ms / token", f"{result.target_ms:.2f}")

@@ -96,7 +96,8 @@ def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, setti
         "n_steps": st.n_steps if spec else None,
         "n_drafted": st.n_drafted if spec else None,
         "n_accepted": st.n_accepted if spec else None,
-        "accept_rate": st.accept_rate if spec else None,
+        "accept_rate": st.accept_rate if spec else None,  # accepted ÷ drafted (every draft token verified)
+        "alpha": st.alpha if spec else None,  # accepted ÷ draft positions reached (per-position acceptance)
         "mean_accepted_per_step": st.mean_accepted_per_step if spec else None,
         "accepted_per_pos": list(st.accepted_per_pos) if spec else None,
         "draft_ms": st.draft_ms if spec else None,
@@ -142,13 +143,15 @@ def _draft_min_for(draft_min: int, draft_max: int | str) -> int:
 def cost_model(base: list[dict], spec: list[dict], draft_max: int | str | None) -> dict:
     """Measured α, costs and the speed-ups they imply (native/cost.py), next to the measured one.
 
+    α = accepted ÷ draft positions reached (every earlier one accepted), pooled over the runs: the per-position
+    acceptance of E(k), not accept_rate (accepted ÷ every draft token verified).
     c = draft ms per drafted token ÷ target ms per baseline token; v = verify ms per step ÷ the same.
     `predicted_speedup`: the adaptive controller's model on this run's measurements (per-position acceptance,
     first and further draft-token costs, verify cost by batch size, overhead; draft_max auto too);
     `ideal_speedup`: the same with every verify pass as cheap as one baseline token."""
     drafted = sum(r["n_drafted"] for r in spec)
     steps = sum(r["n_steps"] for r in spec)
-    alpha = _ratio(sum(r["n_accepted"] for r in spec), drafted)
+    alpha = _ratio(sum(r["n_accepted"] for r in spec), sum(sum(r["tried_per_pos"]) for r in spec))
     draft_tok = _ratio(sum(r["draft_ms"] for r in spec), drafted)
     verify_step = _ratio(sum(r["verify_ms"] for r in spec), steps)
     base_tok = _median([_ratio(r["gen_ms"], r["n_generated"]) for r in base])
@@ -325,7 +328,7 @@ def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
 
 CSV_COLUMNS = ("mode", "prompt_index", "prompt_name", "repeat", "draft_max", "p_min", "n_prompt", "n_generated",
                "tokens_per_s", "prompt_ms", "gen_ms", "n_steps", "n_drafted", "n_accepted", "accept_rate",
-               "mean_accepted_per_step", "draft_ms", "verify_ms", "decode_ms", "stop_reason")
+               "alpha", "mean_accepted_per_step", "draft_ms", "verify_ms", "decode_ms", "stop_reason")
 
 
 def write_csv(doc: dict, path) -> None:

@@ -177,7 +177,7 @@ class Turn:
         if st is not None:
             rec.update({k: v for k, v in asdict(st).items() if k != "accepted_per_pos"})
             rec.update({"accepted_per_pos": list(st.accepted_per_pos), "accept_rate": st.accept_rate,
-                        "mean_accepted_per_step": st.mean_accepted_per_step, "tokens_per_s": st.tokens_per_s})
+                        "alpha": st.alpha, "mean_accepted_per_step": st.mean_accepted_per_step, "tokens_per_s": st.tokens_per_s})
         return rec
 
 
@@ -188,6 +188,7 @@ class Totals(Rates):
     n_steps: int = 0
     n_drafted: int = 0
     n_accepted: int = 0
+    n_tried: int = 0  # draft positions reached (Rates.alpha)
     gen_ms: float = 0.0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
@@ -196,14 +197,14 @@ class Totals(Rates):
 
     def add(self, st: GenerationStats) -> None:
         self.turns += 1
-        for k in ("n_generated", "n_steps", "n_drafted", "n_accepted", "gen_ms", "draft_ms", "verify_ms",
+        for k in ("n_generated", "n_steps", "n_drafted", "n_accepted", "n_tried", "gen_ms", "draft_ms", "verify_ms",
                   "prompt_ms", "n_prompt"):
             setattr(self, k, getattr(self, k) + getattr(st, k))
 
     def final_line(self) -> dict:
         """The piped-mode stats line: exactly the keys INTERFACES.md names."""
         return {"turns": self.turns, "n_generated": self.n_generated, "accept_rate": self.accept_rate,
-                "mean_accepted_per_step": self.mean_accepted_per_step, "tokens_per_s": self.tokens_per_s}
+                "alpha": self.alpha, "mean_accepted_per_step": self.mean_accepted_per_step, "tokens_per_s": self.tokens_per_s}
 
 
 # ==== the chat session ===========================================================================
@@ -341,7 +342,8 @@ class ChatSession:
             "system": self.system,
             "messages": [{"role": m["role"], "content": as_text(m["content"])} for m in self.conversation()],
             "turns": [tr.record() for tr in self.turns],
-            "totals": {**asdict(t), "accept_rate": t.accept_rate, "mean_accepted_per_step": t.mean_accepted_per_step,
+            "totals": {**asdict(t), "accept_rate": t.accept_rate, "alpha": t.alpha,
+                       "mean_accepted_per_step": t.mean_accepted_per_step,
                        "tokens_per_s": t.tokens_per_s},
             "history": list(self.session.history),
             "n_ctx": self.n_ctx,
@@ -408,14 +410,15 @@ class RateWindow:
         return n / (now - t0) if now > t0 else None
 
 
-def health_hint(accept_rate: float | None, tokens_per_step: float | None, draft_ms_step: float | None,
+def health_hint(alpha: float | None, tokens_per_step: float | None, draft_ms_step: float | None,
                 verify_ms_step: float | None) -> str:
-    """One line on whether drafting pays, taking one verify pass as roughly one target token."""
-    if accept_rate is None or not tokens_per_step or draft_ms_step is None or not verify_ms_step:
+    """One line on whether drafting pays, taking one verify pass as roughly one target token. `alpha` is the
+    per-position acceptance (Rates.alpha): what decides how far a draft gets, whatever its length."""
+    if alpha is None or not tokens_per_step or draft_ms_step is None or not verify_ms_step:
         return "no draft statistics yet"
     est = tokens_per_step * verify_ms_step / (draft_ms_step + verify_ms_step)
-    if accept_rate < 0.4 and est < 1.2:
-        return f"draft too weak: {100 * accept_rate:.0f}% accepted; try a closer draft or a smaller /k"
+    if alpha < 0.4 and est < 1.2:
+        return f"draft too weak: {100 * alpha:.0f}% accepted per position; try a closer draft or a smaller /k"
     if est < 1.0:
         return "draft too slow for its acceptance: drafting costs more than it saves; try a smaller /k or /pmin 0.5"
     if est < 1.2:
@@ -448,8 +451,10 @@ class AnswerProgress:
 @dataclass(frozen=True)
 class PanelData:
     state: str  # "generating", then one of _STATES' values
-    answer_accept: float | None
+    answer_accept: float | None  # accepted ÷ drafted (Rates.accept_rate)
     session_accept: float | None
+    answer_alpha: float | None  # accepted ÷ draft positions reached (Rates.alpha)
+    session_alpha: float | None
     tokens_per_step: float | None
     draft_ms_step: float | None
     verify_ms_step: float | None
@@ -484,12 +489,14 @@ def panel_data(p: AnswerProgress, totals: Totals, ctx_used: int, n_ctx: int, set
     answer_acc = cur.accept_rate if cur else None
     tps_step = n_gen / n_steps if n_steps else None
     ratio = verify_step / draft_step if (draft_step and verify_step) else None
-    acc_for_hint = answer_acc if answer_acc is not None else totals.accept_rate
+    answer_alpha = cur.alpha if cur else None
+    alpha_for_hint = answer_alpha if answer_alpha is not None else totals.alpha
     state = "generating" if st is None else _STATES.get(st.stop_reason, st.stop_reason)
     return PanelData(
-        state=state, answer_accept=answer_acc, session_accept=totals.accept_rate, tokens_per_step=tps_step,
+        state=state, answer_accept=answer_acc, session_accept=totals.accept_rate, answer_alpha=answer_alpha,
+        session_alpha=totals.alpha, tokens_per_step=tps_step,
         draft_ms_step=draft_step, verify_ms_step=verify_step, verify_draft_ratio=ratio,
-        hint=health_hint(acc_for_hint, tps_step, draft_step, verify_step) if speculative else "target alone (no draft)",
+        hint=health_hint(alpha_for_hint, tps_step, draft_step, verify_step) if speculative else "target alone (no draft)",
         window_tps=p.window.rate(now), n_generated=n_gen, session_generated=totals.n_generated,
         from_draft=(p.n_from_draft / p.n_tokens) if p.n_tokens else None, ctx_used=ctx_used, n_ctx=n_ctx,
         draft_max=settings.draft_max, p_min=settings.p_min, temp=settings.temp, speculative=speculative)

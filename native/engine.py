@@ -152,11 +152,19 @@ class TokenEvent:
 
 
 class Rates:
-    """Derived rates of anything with n_accepted, n_drafted, n_steps, n_generated and gen_ms."""
+    """Derived rates of anything with n_accepted, n_drafted, n_tried, n_steps, n_generated and gen_ms.
+
+    Two acceptances, named for what they are: `accept_rate` = accepted ÷ every draft token the target verified
+    (llama.cpp's and llama-server's ratio); `alpha` = accepted ÷ the draft positions reached (verified with every
+    earlier one accepted), the per-position α of the speed-up formula E(k) = (1 − α^(k+1)) / (1 − α)."""
 
     @property
     def accept_rate(self) -> float | None:
         return self.n_accepted / self.n_drafted if self.n_drafted else None
+
+    @property
+    def alpha(self) -> float | None:
+        return self.n_accepted / self.n_tried if self.n_tried else None
 
     @property
     def mean_accepted_per_step(self) -> float | None:
@@ -173,7 +181,7 @@ class GenerationStats(Rates):
     n_prompt: int
     n_generated: int
     n_steps: int
-    n_drafted: int
+    n_drafted: int  # draft tokens the target verified (up to where the generation ended inside a step)
     n_accepted: int
     accepted_per_pos: tuple[int, ...]
     prompt_ms: float
@@ -200,6 +208,11 @@ class GenerationStats(Rates):
     verify_ms_by_size: tuple[tuple[int, int, float], ...] = ()  # (batch size, passes, total ms)
     draft_next_ms: float = 0.0  # drafted tokens after a step's first, where measured: their time...
     n_draft_next: int = 0  # ...and how many
+
+    @property
+    def n_tried(self) -> int:
+        """Draft positions reached: verified with every earlier position of the step accepted."""
+        return sum(self.tried_per_pos)
 
     @property
     def overhead_fraction(self) -> float:
@@ -1056,20 +1069,32 @@ class _Progress:
     draft_next_s: float = 0.0
     n_draft_next: int = 0
 
-    def record_costs(self, step: "_Step", n_emitted: int) -> None:
-        """One step's inputs to the cost model; positions past the end of the output do not count."""
+    def count_step(self, step: "_Step", n_kept: int, sign: int = 1) -> None:
+        """Add one step's draft counts and cost-model inputs (sign -1 takes them back). Every draft token the
+        target verified counts as drafted, except where the generation ended inside the step (an EOG, n_predict,
+        a stop string: `n_kept` < the tokens it emitted), whose positions past the last token kept count nowhere."""
         k, a = step.n_drafted, len(step.emitted) - 1
-        self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
-        reach = min(k, a + 1, n_emitted)
+        if n_kept < len(step.emitted):
+            k, a = min(k, n_kept), min(a, n_kept)
+        if step.n_drafted:
+            self.n_drafted += sign * k
+            if sign > 0:
+                self.accepted.append(a)
+            else:
+                self.accepted.pop()
+            self.drafted_by[step.drafter] = self.drafted_by.get(step.drafter, 0) + sign * k
+            self.accepted_by[step.drafter] = self.accepted_by.get(step.drafter, 0) + sign * a
+        self.steps_by_k[step.n_drafted] = self.steps_by_k.get(step.n_drafted, 0) + sign
+        reach = min(k, a + 1)
         self.tried.extend([0] * (reach - len(self.tried)))
         for i in range(reach):
-            self.tried[i] += 1
-        v = self.verify_by_size.setdefault(k + 1, [0, 0.0])
-        v[0] += 1
-        v[1] += step.verify_s
-        if step.draft_token_s is not None and k >= 2:
-            self.draft_next_s += step.draft_token_s * (k - 1)
-            self.n_draft_next += k - 1
+            self.tried[i] += sign
+        v = self.verify_by_size.setdefault(step.n_drafted + 1, [0, 0.0])
+        v[0] += sign
+        v[1] += sign * step.verify_s
+        if step.draft_token_s is not None and step.n_drafted >= 2:
+            self.draft_next_s += sign * step.draft_token_s * (step.n_drafted - 1)
+            self.n_draft_next += sign * (step.n_drafted - 1)
 
 
 class Generation:
@@ -1212,16 +1237,8 @@ class Generation:
                     if remaining is not None and len(self.tokens) >= s.n_predict:
                         done = "n_predict"
                         break
-                if step.n_drafted:
-                    # Only positions the output reached count: an EOG or n_predict may end the generation inside a
-                    # step, and the draft tokens past it were neither emitted nor part of the answer.
-                    drafted, accepted = min(step.n_drafted, len(events)), min(len(step.emitted) - 1, len(events))
-                    p.n_drafted += drafted
-                    p.accepted.append(accepted)
-                    p.drafted_by[step.drafter] = p.drafted_by.get(step.drafter, 0) + drafted
-                    p.accepted_by[step.drafter] = p.accepted_by.get(step.drafter, 0) + accepted
                 if self.speculative:
-                    p.record_costs(step, len(events))
+                    p.count_step(step, len(events))
                 ses._rewind()
                 if ctrl is not None:
                     args = (step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
@@ -1234,7 +1251,16 @@ class Generation:
                 rows = ses.window_on_probation()
                 if rows is not None and rows >= WINDOW_PROBATION:
                     ses.settle_window(self._overhead())
-                yield from events
+                n_read = 0
+                try:
+                    for ev in events:
+                        yield ev
+                        n_read += 1
+                except GeneratorExit:  # the consumer stopped inside this step (a stop string, Ctrl-C)
+                    if self.speculative and n_read + 1 < len(events):
+                        p.count_step(step, len(events), sign=-1)
+                        p.count_step(step, n_read + 1)
+                    raise
                 if done:
                     stop = done
                     break

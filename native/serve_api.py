@@ -283,6 +283,7 @@ def usage(o: Outcome) -> dict:
     spec = None
     if st is not None and st.speculative:
         spec = {"n_drafted": st.n_drafted, "n_accepted": st.n_accepted, "accept_rate": st.accept_rate,
+                "alpha": st.alpha,
                 "draft_ms": round(st.draft_ms, 3), "verify_ms": round(st.verify_ms, 3),
                 "tokens_per_s": round(st.tokens_per_s, 3)}
     return {"prompt_tokens": o.n_prompt, "completion_tokens": o.n_completion,

@@ -27,7 +27,7 @@ DEFAULT_PROMPTS = (
 @dataclass(frozen=True)
 class TuneResult:
     accept_by_pos: tuple[float, ...]  # conditional acceptance at draft positions 1..k
-    accept_rate: float | None  # n_accepted / n_drafted over the calibration runs
+    accept_rate: float | None  # n_accepted / n_drafted over the calibration runs (llama.cpp's ratio)
     target_ms: float  # one target token (plain decoding)
     draft_ms: float  # one draft token
     cost_ratio: float  # draft_ms / target_ms
@@ -36,6 +36,7 @@ class TuneResult:
     predicted_speedup: float
     temp: float
     drafter: str = "model"
+    alpha: float | None = None  # n_accepted / draft positions reached (per-position acceptance, Rates.alpha)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -47,7 +48,7 @@ class TuneResult:
         return {
             "draft_max": self.recommended_draft_max if self.recommended_draft_max > 0 else "auto",
             "speculative": self.recommended_draft_max > 0,
-            "accept_rate": self.accept_rate, "cost_ratio": round(self.cost_ratio, 4),
+            "accept_rate": self.accept_rate, "alpha": self.alpha, "cost_ratio": round(self.cost_ratio, 4),
             "predicted_speedup": round(self.predicted_speedup, 3), "temp": self.temp,
             "accept_by_pos": ",".join(f"{a:.3f}" for a in self.accept_by_pos),
             "verify_ms": ",".join(f"{b}:{v:.3f}" for b, v in self.verify_ms.items()),
@@ -92,7 +93,7 @@ def calibrate(eng: Engine, prompts: tuple[str, ...] = DEFAULT_PROMPTS, n_predict
     with no draft model, the draft cost per token is the drafting time of the runs over the tokens drafted."""
     toks = [eng.tokenize(p) for p in prompts]
     verify, draft_ms = measure_costs(eng, toks[0], draft_max + 1)
-    steps = drafted = accepted = 0
+    steps = drafted = accepted = tried = 0
     drafting_ms = 0.0
     at_least = [0] * draft_max
     settings = GenerationSettings(n_predict=n_predict, draft_max=draft_max, temp=temp, seed=seed,
@@ -103,6 +104,7 @@ def calibrate(eng: Engine, prompts: tuple[str, ...] = DEFAULT_PROMPTS, n_predict
         steps += st.n_steps
         drafted += st.n_drafted
         accepted += st.n_accepted
+        tried += st.n_tried
         drafting_ms += st.draft_ms
         at_least = [a + b for a, b in zip(at_least, st.accepted_per_pos)]
         log.debug("calibration run: %d steps, accept %.2f", st.n_steps, st.accept_rate or 0.0)
@@ -129,7 +131,8 @@ def calibrate(eng: Engine, prompts: tuple[str, ...] = DEFAULT_PROMPTS, n_predict
     return TuneResult(
         accept_by_pos=tuple(alphas), accept_rate=accepted / drafted if drafted else None,
         target_ms=verify[1], draft_ms=draft_ms, cost_ratio=draft_ms / verify[1], verify_ms=verify,
-        recommended_draft_max=k, predicted_speedup=rate / plain, temp=temp, drafter=drafter)
+        recommended_draft_max=k, predicted_speedup=rate / plain, temp=temp, drafter=drafter,
+        alpha=accepted / tried if tried else None)
 
 
 def ideal_speedup_table(alpha: float, cost_ratio: float, ks=(1, 2, 4, 8)) -> dict[int, float]:

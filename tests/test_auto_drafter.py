@@ -60,7 +60,9 @@ def test_auto_with_a_useless_draft_model_ends_up_drafting_from_ngrams(tiny_targe
     assert by1.get("model", 0) > 0 and acc1.get("model", 0) == 0  # the model was tried and never agreed
     by2, acc2 = dict(second.stats.n_drafted_by), dict(second.stats.n_accepted_by)
     assert by2.get("ngram", 0) > 60 and by2.get("model", 0) <= second.stats.n_probes, by2
-    assert acc2["ngram"] > 0.5 * by2["ngram"]
+    # most positions the drafts reach are accepted (per-position α; a long n-gram proposal's rejected tail
+    # counts in accept_rate, accepted ÷ drafted, but not here)
+    assert acc2["ngram"] > 0 and second.stats.alpha > 0.5, (second.stats.alpha, second.stats.accept_rate)
     assert second.stats.n_plain_steps > 0  # where the text has no match, plain decoding (not the model)
     with Engine(tiny_target, None, ctx=1024, threads=1) as ref:
         alone = ref.session().generate(hist[:-200], GenerationSettings(n_predict=200), speculative=False).run()

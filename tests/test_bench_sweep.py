@@ -33,12 +33,12 @@ class FakeGen:
     def run(self):
         k = self.settings.draft_max
         if self.speculative:
-            # α = 0.8 per token; each step costs 1 ms per drafted token plus 10 ms of verify
+            # each step costs 1 ms per drafted token plus 10 ms of verify; every step reaches positions 1 and 2
+            # (where it drafts 2); all accept the 1st, half the 2nd, and none reaches a later position
             steps = 4
             drafted = steps * k
-            accepted = int(0.8 * drafted)
-            # cost-model inputs: every step verifies positions 1 and 2; all accept the 1st, half the 2nd
-            self.stats = GenerationStats(True, 5, 10, steps, drafted, accepted, (steps, steps // 2), 1.0,
+            accepted = sum((steps, steps // 2)[:k])
+            self.stats = GenerationStats(True, 5, 10, steps, drafted, accepted, (steps, steps // 2)[:k], 1.0,
                                          1.0 * drafted, 10.0 * steps, 1.0 * drafted + 10.0 * steps + 2.0, 1.0, 0,
                                          "n_predict", steps_by_k=((k, steps),), tried_per_pos=(steps, steps)[:k],
                                          verify_ms_by_size=((k + 1, steps, 10.0 * steps),),
@@ -100,7 +100,9 @@ def test_sweep_document_with_fake_engine(fake, tmp_path):
         assert s["baseline_tokens_per_s"] == pytest.approx(100.0)  # 10 tokens in 100 ms
         k = pt["draft_max"]
         assert s["speculative_tokens_per_s"] == pytest.approx(10 / ((k * 4 + 40 + 2) / 1000))
-        assert s["alpha"] == pytest.approx(int(0.8 * 4 * k) / (4 * k))
+        # α: accepted ÷ positions reached (1 and 2); accept_rate: accepted ÷ every drafted token
+        assert s["alpha"] == pytest.approx(1.0 if k == 1 else 6 / 8)
+        assert s["accept_rate"] == pytest.approx((4 if k == 1 else 6) / (4 * k))
         assert s["cost_ratio"] == pytest.approx(1.0 / 10.0)  # 1 ms per drafted token ÷ 10 ms per baseline token
         assert s["verify_cost"] == pytest.approx(1.0)  # 10 ms per verify ÷ 10 ms per baseline token
         # the model: E = 1 + α1 + α1·α2 tokens per step (α = 1, 0.5), 1 ms per drafted token, 10 ms per verify,
@@ -112,7 +114,7 @@ def test_sweep_document_with_fake_engine(fake, tmp_path):
         assert s["predicted_speedup"] == pytest.approx(predicted / 100.0)
         assert s["ideal_speedup"] == pytest.approx(4 * expected / ((4 * k + 40) / 1000) / 100.0)
         assert s["draft_first_ms"] == pytest.approx(1.0) and s["verify_ms_by_size"] == {str(k + 1): pytest.approx(10.0)}  # JSON keys
-        assert s["accepted_per_pos"] == [4 * 6, 2 * 6] and s["accept_at_pos"] == [1.0, 0.5]
+        assert s["accepted_per_pos"] == [4 * 6, 2 * 6][:k] and s["accept_at_pos"] == [1.0, 0.5][:k]
     best = doc["recommendation"]
     assert (best["draft_max"], best["p_min"]) == (1, 0)  # the fake gets slower with every drafted token
     assert doc["summary"]["draft_max"] == 1  # the top-level summary is the recommended point's

@@ -19,7 +19,7 @@ from specq.native.engine import GenerationSettings, GenerationStats, TokenEvent
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-FINAL_KEYS = {"turns", "n_generated", "accept_rate", "mean_accepted_per_step", "tokens_per_s"}
+FINAL_KEYS = {"turns", "n_generated", "accept_rate", "alpha", "mean_accepted_per_step", "tokens_per_s"}
 runner = CliRunner()
 
 
@@ -142,18 +142,20 @@ def panel_text(d: PanelData, width: int = 80) -> str:
 
 
 def test_panel_is_built_from_data_and_fits_80_columns():
-    d = PanelData(state="generating", answer_accept=0.75, session_accept=0.5, tokens_per_step=3.25,
+    d = PanelData(state="generating", answer_accept=0.75, session_accept=0.5, answer_alpha=0.8, session_alpha=0.625,
+                  tokens_per_step=3.25,
                   draft_ms_step=2.0, verify_ms_step=8.0, verify_draft_ratio=4.0, hint="healthy: about 2.6×",
                   window_tps=123.4, n_generated=42, session_generated=100, from_draft=0.7, ctx_used=300,
                   n_ctx=4096, draft_max=8, p_min=0.0, temp=0.0, speculative=True)
     text = panel_text(d)
-    for frag in ("generating · k 8", "75.0% answer", "50.0% session", "tokens/step 3.25", "draft 2.0 ms",
+    for frag in ("generating · k 8", "75.0% answer", "50.0% session", "80.0% answer", "62.5% session",
+                 "tokens/step 3.25", "draft 2.0 ms",
                  "verify 8.0 ms", "verify/draft 4.0×", "123.4 tok/s (10 s)", "tokens 42", "ctx 300/4096",
                  "healthy"):
         assert frag in text, frag
     assert max(len(ln) for ln in text.splitlines()) <= 80
     alone = panel_text(PanelData(**{**d.__dict__, "speculative": False, "hint": "target alone (no draft)"}))
-    assert "accept" not in alone and "target alone" in alone
+    assert "accept" not in alone and "α" not in alone and "target alone" in alone
 
 
 def test_stream_buffer_colours_draft_and_target_tokens():

@@ -225,7 +225,7 @@ def test_generation_ends_at_the_end_of_generation_token(eog_pair, speculative):
     assert g.tokens[-1] == eog and len(g.tokens) == at + 1  # nothing follows it
     if speculative:
         # the perfect draft ran past the EOG inside a step; only what was emitted counts
-        assert g.stats.n_drafted > 0 and g.stats.n_accepted == g.stats.n_drafted <= len(g.tokens)
+        assert g.stats.n_drafted > 0 and g.stats.n_accepted == g.stats.n_drafted == len(g.tokens)
 
 
 # ---- 6. draft_min and per-position counts that can fail ------------------------------------------------------

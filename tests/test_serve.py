@@ -79,6 +79,35 @@ def test_a_request_may_pick_the_ngram_drafter(server):
     assert ngram.usage.model_extra["speculative"]["n_drafted"] > 0, ngram.choices[0].text
 
 
+def test_metrics_count_every_draft_token_the_target_verified(server, tiny_target, tiny_close, monkeypatch):
+    """/metrics' llamacpp:spec_decode_num_draft_tokens_total counts what llama-server counts: every draft token
+    verified. The reference: the same request run in this process, with each step's verified drafts summed."""
+    from specq.native.engine import Engine, GenerationSettings, Session
+
+    prompt, n = PROMPTS[2], 40
+    verified, real = [], Session._step
+
+    def spy(self, *args, **kwargs):
+        step = real(self, *args, **kwargs)
+        verified.append(step.n_drafted)
+        return step
+
+    monkeypatch.setattr(Session, "_step", spy)
+    with Engine(tiny_target, tiny_close, ctx=4096, threads=1) as e:
+        g = e.session().generate(e.tokenize(prompt), GenerationSettings(n_predict=n, draft_max=4)).run()
+    assert g.stats.stop_reason == "n_predict" and g.stats.n_accepted < sum(verified)  # some drafts rejected
+
+    key = "llamacpp:spec_decode_num_draft_tokens_total"
+    before = server.metrics().get(key, 0.0)
+    resp = client(server.url).completions.create(model="target", prompt=prompt, max_tokens=n, temperature=0,
+                                                 extra_body={"cache_prompt": False})
+    spec = resp.usage.model_extra["speculative"]
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == n
+    assert server.metrics()[key] - before == spec["n_drafted"] == sum(verified)
+    assert spec["accept_rate"] == pytest.approx(spec["n_accepted"] / sum(verified))
+    assert spec["alpha"] > spec["accept_rate"]
+
+
 def _bench_text(target, draft, prompt: str, n: int, chat_mode: bool) -> str:
     """The target-alone text `specq bench` generates for a prompt."""
     argv = [SPECQ, "bench", "--target", str(target), "--draft", str(draft), "--prompt", prompt, "--n-predict",
