@@ -305,7 +305,8 @@ def adjust_job(job, p: Qwen35Params) -> None:
     elif name.endswith(".ssm_a"):
         perm = _perm(v_head_runs(p, 1))
         job.transform = lambda c: c[perm]
-        job.values = lambda x: -np.exp(x)  # A = -exp(A_log.float()), never rounded to the source dtype
+        # A = -exp(A_log.float()), rounded once to float32 (numpy's float32 exp can be 1 ulp off; torch's was not)
+        job.values = lambda x: -np.exp(x.astype(np.float64))
     elif name.endswith(".ssm_dt.bias"):
         perm = _perm(v_head_runs(p, 1))
         job.transform = lambda c: c[perm]

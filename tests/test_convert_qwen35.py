@@ -117,7 +117,8 @@ def expected_tensors(w: dict[str, np.ndarray], spec: Qwen35Spec) -> dict[str, tu
         out[b + "ssm_alpha.weight"] = (_tiled(w[a + "in_proj_a.weight"], nk, 1), "src")
         conv = w[a + "conv1d.weight"][:, 0, :]
         out[b + "ssm_conv1d.weight"] = (np.concatenate([conv[:2 * key], _tiled(conv[2 * key:], nk, dv)]), "f32")
-        out[b + "ssm_a"] = (_tiled(-np.exp(_f32(w[a + "A_log"])), nk, 1), "f32")
+        # -exp(A_log) of the checkpoint's (exact) values, rounded once to float32, as torch's float32 exp gives it
+        out[b + "ssm_a"] = (_tiled(_f32(-np.exp(w[a + "A_log"])), nk, 1), "f32")
         out[b + "ssm_dt.bias"] = (_tiled(w[a + "dt_bias"], nk, 1), "f32")
         out[b + "ssm_norm.weight"] = (w[a + "norm.weight"], "f32")  # the gated norm multiplies by w itself
         out[b + "ssm_out.weight"] = (_tiled(w[a + "out_proj.weight"], nk, dv, axis=1), "src")
