@@ -1,3 +1,3 @@
 """specq: exact draft-model speculative decoding over llama.cpp."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

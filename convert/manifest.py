@@ -7,19 +7,28 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import __version__
 from ..errors import ManifestError
 from .writer import atomic_output
+
+log = logging.getLogger("specq.convert")
 
 MANIFEST_NAME = "specq-pair.toml"
 FORMAT_VERSION = 1
 MODEL_KEYS = ("file", "sha256", "source", "revision", "architecture", "quant", "n_vocab")
+# The first specq whose converter computes value transforms (qwen35's norm + 1 and A = -exp(A_log)) in float32;
+# older ones rounded them to a BF16/F16 checkpoint's dtype. The manifest's top-level converter_version says which.
+FLOAT32_TRANSFORMS_VERSION = "0.2.0"
+ROUNDED_ARCHS = ("qwen35", "qwen35moe")
 
 
 def sha256_file(path: Path, block: int = 8 << 20) -> str:
@@ -81,7 +90,7 @@ def dumps(doc: dict[str, Any]) -> str:
 
 def write_manifest(out_dir: Path, target: dict[str, Any], draft: dict[str, Any] | None,
                    settings: dict[str, Any]) -> Path:
-    doc: dict[str, Any] = {"format_version": FORMAT_VERSION, "target": target}
+    doc: dict[str, Any] = {"format_version": FORMAT_VERSION, "converter_version": __version__, "target": target}
     if draft is not None:
         doc["draft"] = draft
     doc["settings"] = settings
@@ -124,8 +133,33 @@ def _model_path(d: Path, doc: dict, role: str, verify: bool) -> Path:
     return path
 
 
-def load_pair(pair_dir: str | os.PathLike, verify: bool = True) -> Pair:
-    """Read DIR/specq-pair.toml and (by default) verify both files' sha256."""
+def version_tuple(version: Any) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a version string such as 0.2.0 or 0.2.0.dev1; None when it is not one."""
+    m = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", version) if isinstance(version, str) else None
+    return (int(m[1]), int(m[2]), int(m[3] or 0)) if m else None
+
+
+def reconvert_hint(doc: dict[str, Any], where: Path) -> str | None:
+    """One line for a qwen35 pair that an older specq (or one that recorded no converter_version) wrote: its
+    norms and A may be rounded to the checkpoint's dtype, and converting again is closer to the checkpoint."""
+    entries = [doc.get(role) for role in ("target", "draft")]
+    archs = [e.get("architecture") for e in entries if isinstance(e, dict) and e.get("architecture") in ROUNDED_ARCHS]
+    if not archs:
+        return None
+    version = doc.get("converter_version")
+    got = version_tuple(version)
+    if got is not None and got >= version_tuple(FLOAT32_TRANSFORMS_VERSION):
+        return None
+    who = f"specq {version}" if got is not None else "a specq that recorded no converter_version"
+    return (f"this {archs[0]} pair was converted by {who} ({where}), which rounded the norms and A of a BF16/F16 "
+            f"checkpoint to that dtype; converting it again with specq >= {FLOAT32_TRANSFORMS_VERSION} "
+            "(`specq convert ... --force`) improves fidelity")
+
+
+def load_pair(pair_dir: str | os.PathLike, verify: bool = True, hint: bool = True) -> Pair:
+    """Read DIR/specq-pair.toml and (by default) verify both files' sha256.
+
+    hint: log the one-line reconversion hint (reconvert_hint) for a pair an older converter wrote."""
     d = Path(pair_dir)
     path = d / MANIFEST_NAME
     if not d.is_dir():
@@ -143,4 +177,6 @@ def load_pair(pair_dir: str | os.PathLike, verify: bool = True) -> Pair:
     target = _model_path(d, doc, "target", verify)
     draft = _model_path(d, doc, "draft", verify) if "draft" in doc else None
     settings = doc.get("settings") if isinstance(doc.get("settings"), dict) else {}
+    if hint and (message := reconvert_hint(doc, path)):
+        log.warning(message)
     return Pair(d, target, draft, dict(settings), doc)

@@ -4,7 +4,9 @@ full-attention layer every few, and multi-token-prediction (MTP/NextN) blocks af
 What llama.cpp's loader (src/models/qwen35.cpp) reads, with the transforms its converter applies:
 - RMSNorm weights are stored as w with the norm computing (1 + w); llama.cpp multiplies by the weight, so
   every norm gets +1, except the gated norm of the linear layers (`linear_attn.norm`), which multiplies by w.
-- A_log becomes A = -exp(A_log); dt_bias is the `ssm_dt` bias; the conv kernel (C, 1, K) becomes (C, K) in F32.
+- A_log becomes A = -exp(A_log). Both value transforms run in float32 on the checkpoint's values and are
+  written as F32, never rounded back to BF16/F16 (transformers computes them so, and so does llama.cpp's
+  converter from BF16). dt_bias is the `ssm_dt` bias; the conv kernel (C, 1, K) becomes (C, K) in F32.
 - When a linear layer has fewer key than value heads, HF groups the value heads by key head; ggml broadcasts
   tiled, so the value heads are reordered (rows of qkv's V part, z, a, b, the conv's V channels, A, dt;
   columns of out_proj).
@@ -293,30 +295,18 @@ def _perm(runs: list[tuple[int, int]], offset: int = 0) -> np.ndarray:
     return np.concatenate([np.arange(a, b) for a, b in runs]) - offset
 
 
-def _values(fn, dtype: str):
-    """A transform on raw-bit chunks that applies fn to the values, rounded back to the source dtype
-    (as llama.cpp's converter computes in the checkpoint's torch dtype)."""
-    from .writer import f32_to_bf16_bits, to_f32
-
-    def run(chunk: np.ndarray) -> np.ndarray:
-        x = fn(to_f32(chunk, dtype).astype(np.float32))
-        if dtype == "BF16":
-            return f32_to_bf16_bits(x)
-        return x.astype(chunk.dtype)
-
-    return run
-
-
 def adjust_job(job, p: Qwen35Params) -> None:
     """Set the transform of one tensor job (name, shape and type already set from the checkpoint)."""
     name, ref = job.name, job.ref
-    dtype = ref.dtype
     key = p.k_dim * p.k_heads
     if name.endswith("norm.weight") and not name.endswith("ssm_norm.weight"):
-        job.transform = _values(lambda x: x + 1, dtype)
+        # in float32 from the checkpoint's values, as transformers (1.0 + weight.float()) and llama.cpp compute
+        job.values = lambda x: x + np.float32(1.0)
     elif name.endswith(".ssm_a"):
         perm = _perm(v_head_runs(p, 1))
-        job.transform = _values(lambda x: -np.exp(x)[perm], dtype)
+        job.transform = lambda c: c[perm]
+        # A = -exp(A_log.float()), rounded once to float32 (numpy's float32 exp can be 1 ulp off; torch's was not)
+        job.values = lambda x: -np.exp(x.astype(np.float64))
     elif name.endswith(".ssm_dt.bias"):
         perm = _perm(v_head_runs(p, 1))
         job.transform = lambda c: c[perm]

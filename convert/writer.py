@@ -76,6 +76,8 @@ class TensorJob:
     data: np.ndarray | None = None  # generated tensors, already in the output representation
     row_block: int = 1
     transform: Callable[[np.ndarray], np.ndarray] | None = None  # row-local op on raw-bit chunks
+    # row-local op on the float32 values (after transform); its result is rounded once, to out_type
+    values: Callable[[np.ndarray], np.ndarray] | None = None
     finish: Callable[[], np.ndarray | None] | None = None  # rows appended after the last chunk (raw bits)
     row_runs: list[tuple[int, int]] | None = None  # source row ranges in output order (a row reordering)
 
@@ -101,13 +103,17 @@ class _Stream:
         source = (self.maps.rows(job.ref, job.row_block) if job.row_runs is None
                   else self.maps.row_runs(job.ref, job.row_runs))
         for raw in source:
+            src = job.ref.dtype
             if job.transform is not None:
                 raw = job.transform(raw)
+            if job.values is not None:
+                # computed from the checkpoint's values in float32, never rounded back to its dtype
+                raw, src = np.asarray(job.values(to_f32(raw, src)), dtype=np.float32), "F32"
             if rows_out is not None:
                 raw = raw[:max(0, rows_out - done)]  # trimming drops trailing padding rows
                 done += len(raw)
             if len(raw):
-                yield convert_chunk(raw, job.ref.dtype, job.out_type)
+                yield convert_chunk(raw, src, job.out_type)
         if job.finish is not None:
             extra = job.finish()
             if extra is not None and len(extra):

@@ -148,7 +148,7 @@ def write_tuned(pair_dir, result: TuneResult):
     from ..convert.manifest import MANIFEST_NAME, dumps, load_pair
     from ..convert.writer import atomic_output
 
-    load_pair(pair_dir, verify=False)  # the usual checks and messages for a missing or bad manifest
+    load_pair(pair_dir, verify=False, hint=False)  # the usual checks for a missing or bad manifest
     path = Path(pair_dir) / MANIFEST_NAME
     doc = tomllib.loads(path.read_text(encoding="utf-8"))
     doc["tuned"] = result.manifest_table()

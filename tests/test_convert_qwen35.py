@@ -25,6 +25,8 @@ PROMPT = "def fibonacci(n):\n    return n  # 你好，世界 🙂 The quick brow
 CASES = {
     # 3 linear + 1 full layer, fewer key than value heads, an MTP block, partial rotary with explicit sections
     "hybrid-f32": Qwen35Spec(dtype="F32"),
+    # as Qwen publishes it: BF16 (norms + 1 and A = -exp(A_log) rounded back to BF16 put the logits ~3e-2 off)
+    "hybrid-bf16": Qwen35Spec(dtype="BF16"),
     # layer_types that differ from the interval (llama.cpp must follow the recurrent_layers key), default
     # rotary sections, tied embeddings, F16
     "pattern-f16-tied": Qwen35Spec(dtype="F16", linear=(True, False, True, False), sections=None, tied=True,
@@ -61,9 +63,9 @@ def test_logits_match_reference(tmp_path, case):
 
 
 # ---- keys and tensors, derived independently ------------------------------------------------------
-def _bf16(x: np.ndarray) -> np.ndarray:
-    """bf16 rounding of float values (llama.cpp's converter computes in the checkpoint's torch dtype)."""
-    return (to_bf16_bits(x.astype(np.float32)).astype(np.uint32) << 16).view(np.float32)
+def _f32(x: np.ndarray) -> np.ndarray:
+    """Checkpoint values (exact in float64) as float32: what transformers computes the transforms from."""
+    return x.astype(np.float32)
 
 
 def _tiled(x: np.ndarray, k_heads: int, head: int, axis: int = 0) -> np.ndarray:
@@ -75,29 +77,31 @@ def _tiled(x: np.ndarray, k_heads: int, head: int, axis: int = 0) -> np.ndarray:
 
 
 def expected_tensors(w: dict[str, np.ndarray], spec: Qwen35Spec) -> dict[str, tuple[np.ndarray, str]]:
-    """GGUF name -> (values, 'bf16' or 'f32') for a BF16 checkpoint written as BF16."""
+    """GGUF name -> (values, 'src' (the checkpoint's dtype) or 'f32') for a checkpoint written in its own dtype.
+    Transformed values are computed in float32 from the checkpoint's values, as transformers does
+    (`1.0 + weight.float()`, `-exp(A_log.float())`) and as llama.cpp's converter writes them from BF16."""
     out: dict[str, tuple[np.ndarray, str]] = {}
     nk, dv = spec.k_heads, spec.lin_dim
     key = nk * dv
 
     def plus1(x):
-        return _bf16(x + 1), "f32"
+        return _f32(x) + np.float32(1.0), "f32"
 
     def common(b: str, p: str):
         out[b + "attn_norm.weight"] = plus1(w[p + "input_layernorm.weight"])
         out[b + "post_attention_norm.weight"] = plus1(w[p + "post_attention_layernorm.weight"])
         for g, h in (("gate", "gate"), ("up", "up"), ("down", "down")):
-            out[b + f"ffn_{g}.weight"] = (w[p + f"mlp.{h}_proj.weight"], "bf16")
+            out[b + f"ffn_{g}.weight"] = (w[p + f"mlp.{h}_proj.weight"], "src")
 
     def attention(b: str, p: str):
         for x in "qkv":
-            out[b + f"attn_{x}.weight"] = (w[p + f"self_attn.{x}_proj.weight"], "bf16")
-        out[b + "attn_output.weight"] = (w[p + "self_attn.o_proj.weight"], "bf16")
+            out[b + f"attn_{x}.weight"] = (w[p + f"self_attn.{x}_proj.weight"], "src")
+        out[b + "attn_output.weight"] = (w[p + "self_attn.o_proj.weight"], "src")
         out[b + "attn_q_norm.weight"] = plus1(w[p + "self_attn.q_norm.weight"])
         out[b + "attn_k_norm.weight"] = plus1(w[p + "self_attn.k_norm.weight"])
 
-    out["token_embd.weight"] = (w["model.embed_tokens.weight"], "bf16")
-    out["output.weight"] = (w["lm_head.weight"], "bf16")
+    out["token_embd.weight"] = (w["model.embed_tokens.weight"], "src")
+    out["output.weight"] = (w["lm_head.weight"], "src")
     out["output_norm.weight"] = plus1(w["model.norm.weight"])
     for i in range(spec.n_layer):
         b, p = f"blk.{i}.", f"model.layers.{i}."
@@ -107,21 +111,22 @@ def expected_tensors(w: dict[str, np.ndarray], spec: Qwen35Spec) -> dict[str, tu
             continue
         a = p + "linear_attn."
         qkv = w[a + "in_proj_qkv.weight"]
-        out[b + "attn_qkv.weight"] = (np.concatenate([qkv[:2 * key], _tiled(qkv[2 * key:], nk, dv)]), "bf16")
-        out[b + "attn_gate.weight"] = (_tiled(w[a + "in_proj_z.weight"], nk, dv), "bf16")
-        out[b + "ssm_beta.weight"] = (_tiled(w[a + "in_proj_b.weight"], nk, 1), "bf16")
-        out[b + "ssm_alpha.weight"] = (_tiled(w[a + "in_proj_a.weight"], nk, 1), "bf16")
+        out[b + "attn_qkv.weight"] = (np.concatenate([qkv[:2 * key], _tiled(qkv[2 * key:], nk, dv)]), "src")
+        out[b + "attn_gate.weight"] = (_tiled(w[a + "in_proj_z.weight"], nk, dv), "src")
+        out[b + "ssm_beta.weight"] = (_tiled(w[a + "in_proj_b.weight"], nk, 1), "src")
+        out[b + "ssm_alpha.weight"] = (_tiled(w[a + "in_proj_a.weight"], nk, 1), "src")
         conv = w[a + "conv1d.weight"][:, 0, :]
         out[b + "ssm_conv1d.weight"] = (np.concatenate([conv[:2 * key], _tiled(conv[2 * key:], nk, dv)]), "f32")
-        out[b + "ssm_a"] = (_tiled(_bf16(-np.exp(w[a + "A_log"])), nk, 1), "f32")
+        # -exp(A_log) of the checkpoint's (exact) values, rounded once to float32, as torch's float32 exp gives it
+        out[b + "ssm_a"] = (_tiled(_f32(-np.exp(w[a + "A_log"])), nk, 1), "f32")
         out[b + "ssm_dt.bias"] = (_tiled(w[a + "dt_bias"], nk, 1), "f32")
         out[b + "ssm_norm.weight"] = (w[a + "norm.weight"], "f32")  # the gated norm multiplies by w itself
-        out[b + "ssm_out.weight"] = (_tiled(w[a + "out_proj.weight"], nk, dv, axis=1), "bf16")
+        out[b + "ssm_out.weight"] = (_tiled(w[a + "out_proj.weight"], nk, dv, axis=1), "src")
     if spec.mtp:
         b, p = f"blk.{spec.n_layer}.", "mtp.layers.0."
         common(b, p)
         attention(b, p)
-        out[b + "nextn.eh_proj.weight"] = (w["mtp.fc.weight"], "bf16")
+        out[b + "nextn.eh_proj.weight"] = (w["mtp.fc.weight"], "src")
         out[b + "nextn.enorm.weight"] = plus1(w["mtp.pre_fc_norm_embedding.weight"])
         out[b + "nextn.hnorm.weight"] = plus1(w["mtp.pre_fc_norm_hidden.weight"])
         out[b + "nextn.shared_head_norm.weight"] = plus1(w["mtp.norm.weight"])
@@ -133,10 +138,25 @@ def read_gguf(path):
     return r, {t.name: t for t in r.tensors}
 
 
-def test_keys_and_tensors_equal_llama_cpp_conversion(tmp_path):
-    spec = Qwen35Spec(seed=5)
+def assert_tensor(t, values: np.ndarray, kind: str, dtype: str, name: str) -> None:
+    """The GGUF tensor holds `values`: in the checkpoint's dtype ('src', bit for bit) or F32 (exactly)."""
+    data = np.asarray(t.data)
+    if kind == "src" and dtype == "BF16":
+        assert t.tensor_type == gguf.GGMLQuantizationType.BF16, name
+        assert np.array_equal(data.view(np.uint16).reshape(values.shape), to_bf16_bits(values)), name
+    elif kind == "src" and dtype == "F16":
+        assert t.tensor_type == gguf.GGMLQuantizationType.F16, name
+        assert np.array_equal(data.reshape(values.shape), values.astype(np.float16)), name
+    else:
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32, name
+        assert np.array_equal(data.reshape(values.shape), values.astype(np.float32)), name
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16"])
+def test_keys_and_tensors_equal_llama_cpp_conversion(tmp_path, dtype):
+    spec = Qwen35Spec(seed=5, dtype=dtype)
     src = write_checkpoint(tmp_path / "hf", spec)
-    res = convert_pair(str(src), tmp_path / "out", quant=None)  # BF16 stays BF16
+    res = convert_pair(str(src), tmp_path / "out", quant=None)  # the source dtype stays
     r, got = read_gguf(res.target_path)
     f = r.fields
     arch = "qwen35"
@@ -162,17 +182,10 @@ def test_keys_and_tensors_equal_llama_cpp_conversion(tmp_path):
     want = expected_tensors(read_safetensors(src / "model.safetensors"), spec)
     assert set(got) == set(want)
     for name, (values, kind) in want.items():
-        t = got[name]
-        data = np.asarray(t.data)
-        if kind == "bf16":
-            assert t.tensor_type == gguf.GGMLQuantizationType.BF16, name
-            assert np.array_equal(data.view(np.uint16).reshape(values.shape), to_bf16_bits(values)), name
-        else:
-            assert t.tensor_type == gguf.GGMLQuantizationType.F32, name
-            assert np.array_equal(data.reshape(values.shape), values.astype(np.float32)), name
+        assert_tensor(got[name], values, kind, dtype, name)
 
     man = tomllib.loads(res.manifest_path.read_text(encoding="utf-8"))["target"]
-    mtp_bytes = sum(int(np.prod(v.shape)) * (2 if kind == "bf16" else 4)
+    mtp_bytes = sum(int(np.prod(v.shape)) * (2 if kind == "src" else 4)
                     for n, (v, kind) in want.items() if n.startswith(f"blk.{spec.n_layer}."))
     assert man["mtp_layers"] == 1 and man["mtp_bytes"] == res.mtp_bytes == mtp_bytes > 0
 
@@ -301,20 +314,13 @@ def test_moe_keys_and_expert_tensors(tmp_path):
     for i in (0, spec.n_layer):  # a trunk layer and the MTP block
         p = f"model.layers.{i}.mlp." if i < spec.n_layer else "mtp.layers.0.mlp."
         gu = w[p + "experts.gate_up_proj"]
-        want = {"ffn_gate_exps.weight": (gu[:, :fe], "bf16"), "ffn_up_exps.weight": (gu[:, fe:], "bf16"),
-                "ffn_down_exps.weight": (w[p + "experts.down_proj"], "bf16"),
+        want = {"ffn_gate_exps.weight": (gu[:, :fe], "src"), "ffn_up_exps.weight": (gu[:, fe:], "src"),
+                "ffn_down_exps.weight": (w[p + "experts.down_proj"], "src"),
                 "ffn_gate_inp.weight": (w[p + "gate.weight"], "f32"),
                 "ffn_gate_inp_shexp.weight": (w[p + "shared_expert_gate.weight"], "f32"),
-                "ffn_down_shexp.weight": (w[p + "shared_expert.down_proj.weight"], "bf16")}
+                "ffn_down_shexp.weight": (w[p + "shared_expert.down_proj.weight"], "src")}
         for name, (values, kind) in want.items():
-            t = got[f"blk.{i}.{name}"]
-            data = np.asarray(t.data)
-            if kind == "bf16":
-                assert t.tensor_type == gguf.GGMLQuantizationType.BF16, name
-                assert np.array_equal(data.view(np.uint16).reshape(values.shape), to_bf16_bits(values)), name
-            else:
-                assert t.tensor_type == gguf.GGMLQuantizationType.F32, name
-                assert np.array_equal(data.reshape(values.shape), _bf16(values)), name
+            assert_tensor(got[f"blk.{i}.{name}"], values, kind, spec.dtype, name)
     assert not [n for n in got if ".ffn_gate.weight" in n or ".ffn_up.weight" in n]
 
 
