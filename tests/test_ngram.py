@@ -114,4 +114,4 @@ def test_ngram_drafting_accepts_most_of_a_copy_on_the_demo_model():
         base = e.session().generate(toks, GenerationSettings(n_predict=64), speculative=False).run()
         g = e.session().generate(toks, GenerationSettings(n_predict=64, draft_max=8, drafter="ngram")).run()
     assert g.tokens == base.tokens and len(set(base.tokens)) > 10
-    assert g.stats.n_drafted >= 24 and g.stats.accept_rate >= 0.9
+    assert g.stats.n_drafted >= 24 and g.stats.alpha >= 0.9  # per position reached: the copy is proposed whole
