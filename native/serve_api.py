@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
-from ..errors import SpecqError, UsageError
+from ..errors import SpecqError, UsageError, check_text
 from .engine import ACCEPT_MODES, DRAFT_MAX_CAP, GenerationSettings, GenerationStats
 from .ngram import parse_drafter
 
@@ -54,6 +54,14 @@ class ApiError(SpecqError):
 
 def bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, code, param=param)
+
+
+def _text(text: str, what: str, param: str) -> str:
+    """Request text the tokenizer will encode: a lone surrogate (valid JSON, "\\udcff") is a 400 naming the field."""
+    try:
+        return check_text(text, what)
+    except UsageError as e:
+        raise bad(str(e), param)
 
 
 @dataclass(frozen=True)
@@ -138,7 +146,7 @@ def parse_stops(body: dict) -> tuple[str, ...]:
         raise bad(f"'stop' must be a string or a list of strings (got {json.dumps(v)})", "stop", "invalid_type")
     if len(stops) > MAX_STOPS:
         raise bad(f"'stop' takes at most {MAX_STOPS} strings (got {len(stops)})", "stop")
-    return tuple(s for s in stops if s)
+    return tuple(_text(s, f"'stop' string {i}", "stop") for i, s in enumerate(stops) if s)
 
 
 def parse_max_tokens(body: dict, limits: Limits) -> int:
@@ -204,14 +212,14 @@ def parse_drafter_field(drafter: Any, limits: Limits) -> str:
 def parse_content(content: Any, i: int) -> str:
     """A message's content: a string, null, or a list of text parts (images are refused)."""
     if content is None or isinstance(content, str):
-        return content or ""
+        return _text(content or "", f"messages[{i}].content", "messages")
     if isinstance(content, list):
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise bad(f"messages[{i}].content: only text parts are supported (got {kind})", "messages")
-            texts.append(part["text"])
+            texts.append(_text(part["text"], f"messages[{i}].content", "messages"))
         return "".join(texts)
     raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages", "invalid_type")
 
@@ -225,7 +233,8 @@ def parse_messages(body: dict) -> tuple[dict, ...]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string 'role'", "messages", "invalid_type")
-        out.append({"role": m["role"], "content": parse_content(m.get("content"), i)})
+        out.append({"role": _text(m["role"], f"messages[{i}].role", "messages"),
+                    "content": parse_content(m.get("content"), i)})
     return tuple(out)
 
 
@@ -236,7 +245,7 @@ def parse_prompt(body: dict) -> str:
     if not isinstance(p, str):
         raise bad("'prompt' must be a string (one prompt per request; token arrays are not supported)", "prompt",
                   "invalid_type" if p is not None else "missing_required_parameter")
-    return p
+    return _text(p, "'prompt'", "prompt")
 
 
 def parse_request(body: dict, kind: str, limits: Limits) -> ApiRequest:

@@ -223,6 +223,25 @@ def test_bad_requests_get_an_openai_error(server, body, status, code):
     assert "Traceback" not in err["message"]
 
 
+@pytest.mark.parametrize("route, body, param, what", [
+    ("completions", {"prompt": "a \udcff b"}, "prompt", "'prompt'"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages",
+     "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+     "messages", "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "us\udcffer", "content": "hi"}]}, "messages", "messages[0].role"),
+    ("completions", {"prompt": "hi", "stop": ["ok", "\udcff"]}, "stop", "'stop' string 1"),
+], ids=["prompt", "content", "content-part", "role", "stop"])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, route, body, param, what):
+    """Valid JSON ("\\udcff" on the wire) that no tokenizer can encode as UTF-8."""
+    raw = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as the escape \udcff
+    assert b"\\ud" in raw
+    status, err = _error(http(f"{server.url}/v1/{route}", raw))
+    assert (status, err["code"], err["param"]) == (400, "invalid_value", param), err
+    assert err["message"].startswith(f"{what} is not valid UTF-8 text (a lone surrogate"), err
+    assert server.proc.poll() is None and http(f"{server.url}/health")[0] == 200
+
+
 def test_the_openai_client_sees_the_errors(server):
     c = client(server.url)
     with pytest.raises(openai.NotFoundError):
