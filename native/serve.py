@@ -302,7 +302,7 @@ class Handlers:
             raise ApiError(400, str(e), "invalid_value")
         events: asyncio.Queue = asyncio.Queue()
         job = Job(tokens, settings, req.stops, _emitter(asyncio.get_running_loop(), events),
-                  cache_prompt=req.cache_prompt)
+                  cache_prompt=req.cache_prompt, speculative=req.speculative)
         st.worker.submit(job)
         ids = ResponseIds(kind, st.limits.model_id)
         if req.stream:

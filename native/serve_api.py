@@ -85,6 +85,7 @@ class ApiRequest:
     stops: tuple[str, ...]
     overrides: dict  # GenerationSettings fields the request set (temp, top_k, …, seed, draft_max, p_min, accept)
     cache_prompt: bool = True  # reuse the cached prefix of the previous request (llama-server's field)
+    speculative: bool = True  # False: draft_max 0, the target alone
 
 
 # ==== parsing ======================================================================================
@@ -175,10 +176,10 @@ def parse_sampling(body: dict, limits: Limits) -> dict:
     if "seed" in out:
         out["seed"] &= 0xFFFFFFFF  # llama.cpp's seed is 32 bits; negative seeds wrap as in C
     dm = body.get("draft_max")
-    if dm is not None:
+    if dm is not None and not _target_alone(body):
         if dm != "auto" and (isinstance(dm, bool) or not isinstance(dm, int) or not 1 <= dm <= DRAFT_MAX_CAP):
-            raise bad(f"'draft_max' must be an integer from 1 to {DRAFT_MAX_CAP} or \"auto\" (got {json.dumps(dm)})",
-                      "draft_max")
+            raise bad(f"'draft_max' must be an integer from 0 (the target alone) to {DRAFT_MAX_CAP} or \"auto\" "
+                      f"(got {json.dumps(dm)})", "draft_max")
         out["draft_max"] = dm
     acc = body.get("accept")
     if acc is not None:
@@ -189,6 +190,12 @@ def parse_sampling(body: dict, limits: Limits) -> dict:
     if drafter is not None:
         out["drafter"] = parse_drafter_field(drafter, limits)
     return out
+
+
+def _target_alone(body: dict) -> bool:
+    """`draft_max: 0`: this request runs on the target alone, as `specq bench`'s baseline does."""
+    dm = body.get("draft_max")
+    return dm == 0 and isinstance(dm, int) and not isinstance(dm, bool)
 
 
 def parse_drafter_field(drafter: Any, limits: Limits) -> str:
@@ -261,7 +268,7 @@ def parse_request(body: dict, kind: str, limits: Limits) -> ApiRequest:
         kind=kind, messages=parse_messages(body) if kind == "chat" else None,
         prompt=parse_prompt(body) if kind == "completion" else None, max_tokens=parse_max_tokens(body, limits),
         stream=stream, include_usage=include_usage, stops=parse_stops(body), overrides=parse_sampling(body, limits),
-        cache_prompt=_bool(body, "cache_prompt", default=True))
+        cache_prompt=_bool(body, "cache_prompt", default=True), speculative=not _target_alone(body))
 
 
 def settings_for(req: ApiRequest, defaults: GenerationSettings, seed: int) -> GenerationSettings:

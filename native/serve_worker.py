@@ -87,6 +87,7 @@ class Job:
     # False: evaluate the prompt from an empty cache. A kept prefix was computed inside another request's batch,
     # whose shape changes the last bits of its values, so a seeded sample reproduces only without it.
     cache_prompt: bool = True
+    speculative: bool = True  # False: the target alone (draft_max 0)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -194,7 +195,8 @@ class Worker:
             ses.reset()
         n_reused = reused_prefix(ses.tgt.tokens, job.prompt)  # what prefill will keep of the target's cache
         del ses.history[:]  # the prompt replaces the history; prefill keeps the shared cached prefix
-        speculative = self.engine.draft is not None or drafts_without_model(job.settings.drafters)
+        speculative = job.speculative and (self.engine.draft is not None
+                                           or drafts_without_model(job.settings.drafters))
         gen = ses.generate(job.prompt, job.settings, speculative=speculative)
         matcher = StopMatcher(job.stops)
         n_kept = 0
