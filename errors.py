@@ -55,3 +55,14 @@ class RpcError(SpecqError):
 
 class PlanError(SpecqError):
     """The models do not fit in the given memory budget."""
+
+
+def check_text(text: str, what: str) -> str:
+    """Text bound for the tokenizer, refused where it cannot be encoded as UTF-8: a lone surrogate, which valid
+    JSON ("\\udcff") and undecodable bytes carried in as surrogate escapes (argv, stdin) both produce."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{what} is not valid UTF-8 text (a lone surrogate {ascii(text[e.start])[1:-1]} at "
+                         f"character {e.start}); send UTF-8 text without unpaired \\ud800-\\udfff escapes")
+    return text

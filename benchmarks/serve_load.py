@@ -70,8 +70,8 @@ class Server:
     def __init__(self, argv: list[str], log: Path, port: int | None):
         self.log = log
         self._f = open(log, "w")
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._f, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+        # as a user runs it: llama.cpp's own OpenMP settings (a PASSIVE wait policy once halved specq serve's speed)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._f, stderr=subprocess.STDOUT)
         try:
             if port is None:  # specq serve --port 0 prints the port it got
                 deadline = time.monotonic() + START_TIMEOUT_S

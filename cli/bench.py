@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import UsageError
+from ..errors import UsageError, check_text
 from ..native.bench import DEFAULT_PROMPT, BenchConfig, load_prompt_set, run_bench, write_csv
 from ..native.bench_plot import check_plot_available, plot_sweep
 from ..native.engine import GenerationSettings
@@ -34,7 +34,7 @@ def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[s
     if prompts and prompt_file:
         raise UsageError("give --prompt or --prompt-file, not both")
     if prompt_file is None:
-        return tuple(prompts) if prompts else (DEFAULT_PROMPT,)
+        return tuple(check_text(p, "--prompt") for p in prompts) if prompts else (DEFAULT_PROMPT,)
     if not prompt_file.is_file():
         raise UsageError(f"prompt file not found ({prompt_file}); check the path")
     try:
@@ -42,7 +42,7 @@ def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[s
     except UnicodeDecodeError as e:
         raise UsageError(f"prompt file is not UTF-8 text ({prompt_file}: byte {e.start}); pass a text file")
     if prompt_file.suffix != ".jsonl":
-        return (text,)
+        return (text,)  # decoded strictly above: no lone surrogate
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -52,6 +52,8 @@ def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[s
             out.append(obj["prompt"])
         except (ValueError, KeyError, TypeError):
             raise UsageError(f'{prompt_file}:{n} is not a {{"prompt": "..."}} JSON object; fix that line')
+        if isinstance(out[-1], str):
+            check_text(out[-1], f"the prompt at {prompt_file}:{n}")
     if not out:
         raise UsageError(f"no prompts in {prompt_file}")
     return tuple(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
@@ -291,6 +292,9 @@ def main(
                      draft_ctx=parse_ctx_draft(ctx_draft), draft_threads=threads_draft, **placement.engine_options(),
                      **drafter_engine_options(settings))
     final = None
+    # Undecodable input bytes arrive as lone surrogates, which ChatSession.ask refuses with one line per turn.
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdin.reconfigure(errors="surrogateescape")
     try:
         if sys.stdin.isatty():
             # markup off: the user's own text ("/k [red]x") is echoed in messages and must print as typed

@@ -16,7 +16,7 @@ import numpy as np
 
 import llama_cpp.llama_cpp as C
 
-from ..errors import ContextFullError, LlamaCallError, ModelFileError, SpecqError, UsageError
+from ..errors import ContextFullError, LlamaCallError, ModelFileError, SpecqError, UsageError, check_text
 from . import abort_guard
 from .gguf_check import check_model_file
 from .interrupts import deferred_sigint
@@ -320,7 +320,7 @@ class Model(_Handle):
         return bool(C.llama_vocab_is_eog(self.vocab, token))
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
+        data = check_text(text, "the text to tokenize").encode("utf-8")
         cap = len(data) + 8
         buf = (C.llama_token * cap)()
         n = C.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)

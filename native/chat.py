@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .. import __version__
-from ..errors import ContextFullError, SpecqError, UsageError
+from ..errors import ContextFullError, SpecqError, UsageError, check_text
 from .engine import Engine, GenerationSettings, GenerationStats, Rates, TokenEvent
 from .ngram import drafts_without_model
 
@@ -254,7 +254,7 @@ class ChatSession:
         self.formatter = TemplateFormatter(template, self._bos_text, eos_text)
         self.settings = settings.validate()
         self.speculative = engine.draft is not None or drafts_without_model(self.settings.drafters)
-        self.system = system
+        self.system = check_text(system, "--system") if system else None
         self.session = engine.session()
         self.messages: list[dict] = []
         self.turns: list[Turn] = []
@@ -276,7 +276,7 @@ class ChatSession:
         self._lead = 0
 
     def set_system(self, text: str | None) -> None:
-        self.system = text or None
+        self.system = check_text(text, "the system prompt") if text else None
 
     def conversation(self, user: str | None = None) -> list[dict]:
         msgs = ([{"role": "system", "content": self.system}] if self.system else []) + list(self.messages)
@@ -305,7 +305,7 @@ class ChatSession:
 
     def ask(self, user: str) -> Answer:
         """Start a turn; iterate the returned Answer to stream it. ContextFullError if it cannot fit."""
-        raw_user = user
+        raw_user = check_text(user, "the message")
         keep, new = self.plan_turn(raw_user)
         if keep + len(new) + 1 > self.n_ctx:
             raise ConversationFullError(keep + len(new), self.n_ctx, first_turn=not self.messages)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
-from ..errors import SpecqError, UsageError
+from ..errors import SpecqError, UsageError, check_text
 from .engine import ACCEPT_MODES, DRAFT_MAX_CAP, GenerationSettings, GenerationStats
 from .ngram import parse_drafter
 
@@ -56,6 +56,14 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
     return ApiError(400, message, code, param=param)
 
 
+def _text(text: str, what: str, param: str) -> str:
+    """Request text the tokenizer will encode: a lone surrogate (valid JSON, "\\udcff") is a 400 naming the field."""
+    try:
+        return check_text(text, what)
+    except UsageError as e:
+        raise bad(str(e), param)
+
+
 @dataclass(frozen=True)
 class Limits:
     """What the server allows, from its flags."""
@@ -77,6 +85,7 @@ class ApiRequest:
     stops: tuple[str, ...]
     overrides: dict  # GenerationSettings fields the request set (temp, top_k, …, seed, draft_max, p_min, accept)
     cache_prompt: bool = True  # reuse the cached prefix of the previous request (llama-server's field)
+    speculative: bool = True  # False: draft_max 0, the target alone
 
 
 # ==== parsing ======================================================================================
@@ -138,7 +147,7 @@ def parse_stops(body: dict) -> tuple[str, ...]:
         raise bad(f"'stop' must be a string or a list of strings (got {json.dumps(v)})", "stop", "invalid_type")
     if len(stops) > MAX_STOPS:
         raise bad(f"'stop' takes at most {MAX_STOPS} strings (got {len(stops)})", "stop")
-    return tuple(s for s in stops if s)
+    return tuple(_text(s, f"'stop' string {i}", "stop") for i, s in enumerate(stops) if s)
 
 
 def parse_max_tokens(body: dict, limits: Limits) -> int:
@@ -167,10 +176,10 @@ def parse_sampling(body: dict, limits: Limits) -> dict:
     if "seed" in out:
         out["seed"] &= 0xFFFFFFFF  # llama.cpp's seed is 32 bits; negative seeds wrap as in C
     dm = body.get("draft_max")
-    if dm is not None:
+    if dm is not None and not _target_alone(body):
         if dm != "auto" and (isinstance(dm, bool) or not isinstance(dm, int) or not 1 <= dm <= DRAFT_MAX_CAP):
-            raise bad(f"'draft_max' must be an integer from 1 to {DRAFT_MAX_CAP} or \"auto\" (got {json.dumps(dm)})",
-                      "draft_max")
+            raise bad(f"'draft_max' must be an integer from 0 (the target alone) to {DRAFT_MAX_CAP} or \"auto\" "
+                      f"(got {json.dumps(dm)})", "draft_max")
         out["draft_max"] = dm
     acc = body.get("accept")
     if acc is not None:
@@ -181,6 +190,12 @@ def parse_sampling(body: dict, limits: Limits) -> dict:
     if drafter is not None:
         out["drafter"] = parse_drafter_field(drafter, limits)
     return out
+
+
+def _target_alone(body: dict) -> bool:
+    """`draft_max: 0`: this request runs on the target alone, as `specq bench`'s baseline does."""
+    dm = body.get("draft_max")
+    return dm == 0 and isinstance(dm, int) and not isinstance(dm, bool)
 
 
 def parse_drafter_field(drafter: Any, limits: Limits) -> str:
@@ -204,14 +219,14 @@ def parse_drafter_field(drafter: Any, limits: Limits) -> str:
 def parse_content(content: Any, i: int) -> str:
     """A message's content: a string, null, or a list of text parts (images are refused)."""
     if content is None or isinstance(content, str):
-        return content or ""
+        return _text(content or "", f"messages[{i}].content", "messages")
     if isinstance(content, list):
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise bad(f"messages[{i}].content: only text parts are supported (got {kind})", "messages")
-            texts.append(part["text"])
+            texts.append(_text(part["text"], f"messages[{i}].content", "messages"))
         return "".join(texts)
     raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages", "invalid_type")
 
@@ -225,7 +240,8 @@ def parse_messages(body: dict) -> tuple[dict, ...]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string 'role'", "messages", "invalid_type")
-        out.append({"role": m["role"], "content": parse_content(m.get("content"), i)})
+        out.append({"role": _text(m["role"], f"messages[{i}].role", "messages"),
+                    "content": parse_content(m.get("content"), i)})
     return tuple(out)
 
 
@@ -236,7 +252,7 @@ def parse_prompt(body: dict) -> str:
     if not isinstance(p, str):
         raise bad("'prompt' must be a string (one prompt per request; token arrays are not supported)", "prompt",
                   "invalid_type" if p is not None else "missing_required_parameter")
-    return p
+    return _text(p, "'prompt'", "prompt")
 
 
 def parse_request(body: dict, kind: str, limits: Limits) -> ApiRequest:
@@ -252,7 +268,7 @@ def parse_request(body: dict, kind: str, limits: Limits) -> ApiRequest:
         kind=kind, messages=parse_messages(body) if kind == "chat" else None,
         prompt=parse_prompt(body) if kind == "completion" else None, max_tokens=parse_max_tokens(body, limits),
         stream=stream, include_usage=include_usage, stops=parse_stops(body), overrides=parse_sampling(body, limits),
-        cache_prompt=_bool(body, "cache_prompt", default=True))
+        cache_prompt=_bool(body, "cache_prompt", default=True), speculative=not _target_alone(body))
 
 
 def settings_for(req: ApiRequest, defaults: GenerationSettings, seed: int) -> GenerationSettings:

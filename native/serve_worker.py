@@ -1,4 +1,8 @@
-"""The thread that owns the engine: requests run one at a time, in arrival order, on one Session.
+"""The loop that drives the engine: requests run one at a time, in arrival order, on one Session.
+
+It runs on the thread that loaded the models (the server's main thread): llama.cpp's CPU backend computes with
+GNU OpenMP, whose thread team belongs to the thread that first used it, and driven from any other thread every
+decode ran about half as fast (docs/architecture.md).
 
 Each request's prompt replaces the session's history; the engine's prefill keeps the cached prefix both
 models share with the previous request (system prompt, earlier turns) and evaluates only the rest.
@@ -83,6 +87,7 @@ class Job:
     # False: evaluate the prompt from an empty cache. A kept prefix was computed inside another request's batch,
     # whose shape changes the last bits of its values, so a seeded sample reproduces only without it.
     cache_prompt: bool = True
+    speculative: bool = True  # False: the target alone (draft_max 0)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -96,7 +101,8 @@ class QueueFull(ApiError):
 
 
 class Worker:
-    """Runs Jobs one at a time on one engine session; at most `max_queue` wait behind the running one."""
+    """Runs Jobs one at a time on one engine session; at most `max_queue` wait behind the running one.
+    `run()` is the loop, on the thread that loaded the engine; `submit` and `stop` may come from any thread."""
 
     def __init__(self, engine: Engine, metrics: "ServerMetrics", max_queue: int):
         self.engine = engine
@@ -108,8 +114,6 @@ class Worker:
         self._in_system = 0  # waiting + running
         self._current: Job | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="specq-engine", daemon=True)
-        self._thread.start()
 
     @property
     def waiting(self) -> int:
@@ -128,16 +132,17 @@ class Worker:
         self._jobs.put(job)
 
     def stop(self) -> None:
-        """End the thread once the HTTP server has drained: whatever still runs or waits has no client left."""
+        """End run() once the HTTP server has drained: whatever still runs or waits has no client left. Returns at
+        once; run() returns after the running job's current step."""
         with self._lock:
             self._stopping = True
             if self._current is not None:
                 self._current.cancel()
         self._jobs.put(None)
-        self._thread.join()
 
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+    def run(self) -> None:
+        """Serve jobs until stop(), on the calling thread (the one that loaded the engine)."""
+        while (job := self._next()) is not None:
             with self._lock:
                 self._current = job
                 if self._stopping:
@@ -151,6 +156,14 @@ class Worker:
                     self._in_system -= 1
                     self.metrics.deferred.set(max(0, self._in_system - 1))
                 self.metrics.processing.set(0)
+
+    def _next(self) -> Job | None:
+        # A bounded wait: the main thread runs Python signal handlers (Ctrl-C, SIGTERM) between waits.
+        while True:
+            try:
+                return self._jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
 
     def _serve(self, job: Job) -> None:
         if job.cancelled.is_set():  # the client left while waiting
@@ -182,7 +195,8 @@ class Worker:
             ses.reset()
         n_reused = reused_prefix(ses.tgt.tokens, job.prompt)  # what prefill will keep of the target's cache
         del ses.history[:]  # the prompt replaces the history; prefill keeps the shared cached prefix
-        speculative = self.engine.draft is not None or drafts_without_model(job.settings.drafters)
+        speculative = job.speculative and (self.engine.draft is not None
+                                           or drafts_without_model(job.settings.drafters))
         gen = ses.generate(job.prompt, job.settings, speculative=speculative)
         matcher = StopMatcher(job.stops)
         n_kept = 0

@@ -67,6 +67,14 @@ ROWS: dict[str, Row] = {
     "n-predict-abc-value": Row(("bench", "--n-predict=abc"), 2, "(abc); see `specq bench --help`"),
     "unknown-option": Row(("plan", "--bogus"), 2, "No such option: --bogus"),
     "binary-prompt-file": Row((*BENCH, "--target", "{target}", "--prompt-file", "{binary}"), 2, "not UTF-8 text"),
+    # a lone surrogate: valid JSON ("\udcff"), or bytes that are not UTF-8 carried in as surrogate escapes (argv)
+    "surrogate-in-prompt-jsonl": Row((*BENCH, "--target", "{target}", "--prompt-file", "{surrogate_jsonl}"), 2,
+                                     "the prompt at {surrogate_jsonl}:2 is not valid UTF-8 text (a lone surrogate "
+                                     "\\udcff at character 2)"),
+    "undecodable-prompt-argv": Row((*BENCH, "--target", "{target}", "--prompt", "a\udcffb"), 2,
+                                   "--prompt is not valid UTF-8 text"),
+    "undecodable-system-argv": Row((*CHAT, "--target", "{target}", "--system", "\udcff"), 2,
+                                   "--system is not valid UTF-8 text", stdin="hi\n"),
     # -- outputs are checked before the run: nothing is left behind ----------------------------
     "csv-folder-missing": Row((*BENCH, "--target", "{target}", "--json", "{tmp}/out.json", "--csv",
                                "{tmp}/no/such/runs.csv"), 2, "--csv folder not found", absent=("{tmp}/out.json",)),
@@ -165,6 +173,8 @@ def files(tiny_target, tmp_path_factory) -> dict[str, str]:
     out["big"] = write_tiny_gguf(d / "big.gguf", seed=1, spec=TinySpec(n_layer=4))
     out["binary"] = d / "prompt.bin"
     out["binary"].write_bytes(bytes(range(256)) * 4)
+    out["surrogate_jsonl"] = d / "surrogate.jsonl"
+    out["surrogate_jsonl"].write_text('{"prompt": "fine"}\n{"prompt": "a \\udcff b"}\n')
     out["pair_p_min"] = _pair(d / "pair-p-min", t, t, 'p_min = "high"')
     out["pair_draft_max"] = _pair(d / "pair-draft-max", t, t, "draft_max = [1, 2]")
     out["pair_zero"] = _pair(d / "pair-zero", t, t, "draft_max = 0")
@@ -216,6 +226,16 @@ def test_bad_input(name, files, tmp_path):
 def test_chat_goes_on_after_a_save_to_a_folder(files, tmp_path):
     r = run_specq([*CHAT, "--target", files["target"]], stdin=f"/save {tmp_path}\nhello\n")
     assert json.loads(r.stderr.strip().splitlines()[-1])["turns"] == 1 and r.stdout.strip()
+
+
+def test_chat_input_that_is_not_utf8_is_one_line_a_turn_and_exit_1(files):
+    r = subprocess.run([SPECQ, *CHAT, "--target", files["target"]], input=b"hi \xff there\nhello\n",
+                       capture_output=True, timeout=120, env=dict(os.environ, COLUMNS="80"))
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "Traceback" not in err, err
+    assert messages(err) == ["specq: error: the message is not valid UTF-8 text (a lone surrogate \\udcff at "
+                             "character 3); send UTF-8 text without unpaired \\ud800-\\udfff escapes"]
+    assert json.loads(err.strip().splitlines()[-1])["turns"] == 1 and r.stdout.strip()  # "hello" was answered
 
 
 def test_help_texts_print_their_brackets():

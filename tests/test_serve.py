@@ -69,6 +69,15 @@ def test_chat_stream_and_non_stream_agree(server):
     assert chunks[-1].usage.model_extra["speculative"]["n_drafted"] > 0
 
 
+def test_draft_max_0_runs_the_target_alone(server):
+    c = client(server.url)
+    spec = c.completions.create(model="target", prompt=PROMPTS[5], max_tokens=24, temperature=0)
+    alone = c.completions.create(model="target", prompt=PROMPTS[5], max_tokens=24, temperature=0,
+                                 extra_body={"draft_max": 0})
+    assert alone.choices[0].text == spec.choices[0].text
+    assert alone.usage.model_extra["speculative"] is None and spec.usage.model_extra["speculative"]["n_drafted"] > 0
+
+
 def test_a_request_may_pick_the_ngram_drafter(server):
     c = client(server.url)
     prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
@@ -240,16 +249,35 @@ def _error(status_body) -> tuple[int, dict]:
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
      "unsupported_parameter"),
-    ({"messages": [{"role": "user", "content": "hi"}], "draft_max": 0}, 400, "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "draft_max": -1}, 400, "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "accept": "maybe"}, 400, "invalid_value"),
     ({"messages": [{"role": "user", "content": "the quick brown fox " * 3000}]}, 400, "context_length_exceeded"),
 ], ids=["invalid-json", "not-an-object", "messages-type", "max-tokens-type", "negative-max-tokens", "bool-temp",
-        "over-max-tokens", "unknown-model", "n2", "logprobs", "tools", "response-format", "draft-max-0", "accept",
+        "over-max-tokens", "unknown-model", "n2", "logprobs", "tools", "response-format", "draft-max-negative", "accept",
         "prompt-too-long"])
 def test_bad_requests_get_an_openai_error(server, body, status, code):
     got, err = _error(http(f"{server.url}/v1/chat/completions", body))
     assert (got, err["code"]) == (status, code), err
     assert "Traceback" not in err["message"]
+
+
+@pytest.mark.parametrize("route, body, param, what", [
+    ("completions", {"prompt": "a \udcff b"}, "prompt", "'prompt'"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages",
+     "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+     "messages", "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "us\udcffer", "content": "hi"}]}, "messages", "messages[0].role"),
+    ("completions", {"prompt": "hi", "stop": ["ok", "\udcff"]}, "stop", "'stop' string 1"),
+], ids=["prompt", "content", "content-part", "role", "stop"])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, route, body, param, what):
+    """Valid JSON ("\\udcff" on the wire) that no tokenizer can encode as UTF-8."""
+    raw = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as the escape \udcff
+    assert b"\\ud" in raw
+    status, err = _error(http(f"{server.url}/v1/{route}", raw))
+    assert (status, err["code"], err["param"]) == (400, "invalid_value", param), err
+    assert err["message"].startswith(f"{what} is not valid UTF-8 text (a lone surrogate"), err
+    assert server.proc.poll() is None and http(f"{server.url}/health")[0] == 200
 
 
 def test_the_openai_client_sees_the_errors(server):

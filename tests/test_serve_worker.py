@@ -3,6 +3,7 @@ on tiny models (prefix reuse, stop-string rollback, cancellation, errors)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -102,13 +103,37 @@ class Collector:
         return "".join(v for k, v in self.events if k == "text"), value
 
 
+@contextlib.contextmanager
+def running_worker(target, draft, ctx: int, max_queue: int):
+    """A Worker whose engine is loaded, driven and freed on one thread of its own, as the server's main thread does
+    (llama.cpp's OpenMP thread team belongs to the thread that uses it)."""
+    ready, box = threading.Event(), {}
+
+    def own() -> None:
+        try:
+            eng = Engine(target, draft, ctx=ctx, threads=1)
+            box["worker"] = Worker(eng, ServerMetrics(), max_queue)
+        finally:
+            ready.set()
+        try:
+            box["worker"].run()
+        finally:
+            eng.close()
+
+    t = threading.Thread(target=own, name="engine-owner", daemon=True)
+    t.start()
+    assert ready.wait(120) and "worker" in box, "the engine did not load"
+    try:
+        yield box["worker"]
+    finally:
+        box["worker"].stop()
+        t.join(120)
+
+
 @pytest.fixture(scope="module")
 def worker(tiny_target, tiny_close):
-    eng = Engine(tiny_target, tiny_close, ctx=1024, threads=1)
-    w = Worker(eng, ServerMetrics(), max_queue=4)
-    yield w
-    w.stop()
-    eng.close()
+    with running_worker(tiny_target, tiny_close, 1024, 4) as w:
+        yield w
 
 
 def run_job(worker, prompt, settings=SETTINGS, stops=()):
@@ -179,8 +204,6 @@ def test_a_cancelled_job_stops_within_a_step(worker):
 
 
 def test_the_queue_is_bounded(tiny_target):
-    eng = Engine(tiny_target, None, ctx=256, threads=1)
-    w = Worker(eng, ServerMetrics(), max_queue=0)
     gate = threading.Event()
     first = Collector()
 
@@ -188,16 +211,16 @@ def test_the_queue_is_bounded(tiny_target):
         gate.wait(30)
         first(item)
 
-    try:
-        w.submit(Job(eng.tokenize("The quick"), GenerationSettings(n_predict=4), (), slow_emit))
-        with pytest.raises(QueueFull) as e:
-            w.submit(Job(eng.tokenize("The quick"), GenerationSettings(n_predict=4), (), Collector()))
-        assert e.value.status == 503 and e.value.headers == {"Retry-After": "1"}
-    finally:
-        gate.set()
-        first.wait()
-        w.stop()
-        eng.close()
+    with running_worker(tiny_target, None, 256, 0) as w:
+        eng = w.engine
+        try:
+            w.submit(Job(eng.tokenize("The quick"), GenerationSettings(n_predict=4), (), slow_emit))
+            with pytest.raises(QueueFull) as e:
+                w.submit(Job(eng.tokenize("The quick"), GenerationSettings(n_predict=4), (), Collector()))
+            assert e.value.status == 503 and e.value.headers == {"Retry-After": "1"}
+        finally:
+            gate.set()
+            first.wait()
 
 
 # ---- set-up errors and warnings ----------------------------------------------------------------------------
@@ -218,3 +241,71 @@ def test_listening_beyond_loopback_warns_loudest_without_a_key():
     assert _exposure_warning("localhost", None) is None
     assert "WITHOUT an API key" in _exposure_warning("0.0.0.0", None)
     assert "anyone who can reach this machine" in _exposure_warning("0.0.0.0", "k")
+
+
+# ---- the thread that computes ----------------------------------------------------------------------------
+# What computes on the models (load, warm-up, decode, logits, memory and state, sampling, free); tokenizing and
+# detokenizing only read the vocabulary and may run anywhere.
+COMPUTE = {"Model": ("__init__", "close"),
+           "Context": ("__init__", "warm_up", "decode", "logits", "seq_rm", "clear", "state_get", "state_set",
+                       "close"),
+           "Sampler": ("__init__", "sample", "close"), "TransformChain": ("__init__", "apply", "close")}
+
+
+def test_a_served_request_computes_only_on_the_thread_that_loaded_the_models(tiny_target, tiny_close, monkeypatch):
+    """llama.cpp's CPU backend runs GNU OpenMP, whose thread team belongs to the calling thread: an engine driven
+    from another thread than the one that loaded it decoded ~0.65x as fast. The real server, in-process, with
+    every compute entry point of the FFI boundary recording its thread."""
+    import json
+    import os
+    import signal
+
+    from serve_proc import http
+    from specq.native import _ffi
+    from specq.native.serve import ServeConfig, bind_socket, open_server
+
+    calls: list[tuple[str, int]] = []
+
+    def recorded(name, real):
+        def call(*a, **kw):
+            calls.append((name, threading.get_ident()))
+            return real(*a, **kw)
+        return call
+
+    for cls, names in COMPUTE.items():
+        for name in names:
+            monkeypatch.setattr(getattr(_ffi, cls), name, recorded(f"{cls}.{name}", getattr(getattr(_ffi, cls), name)))
+
+    sock = bind_socket("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    ready, answers = threading.Event(), []
+
+    def client() -> None:
+        try:
+            assert ready.wait(120)
+            for body in ({"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0},
+                         {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0.8, "seed": 3,
+                          "stream": True},
+                         {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0.8, "seed": 3,
+                          "accept": "match"}):
+                answers.append(http(f"{url}/v1/completions", body, timeout=120))
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # drains and stops serve(), as a user's `kill` would
+
+    server = open_server(str(tiny_target), str(tiny_close), template=None, defaults=SETTINGS, cfg=ServeConfig(),
+                         ctx=1024, threads=1, ngl=0, ngl_draft=0)
+    try:
+        asker = threading.Thread(target=client, daemon=True)
+        asker.start()
+        server.serve(sock, on_ready=ready.set)
+        asker.join(60)
+    finally:
+        server.close()
+        sock.close()
+    assert [status for status, _ in answers] == [200, 200, 200], answers
+    assert json.loads(answers[0][1])["usage"]["speculative"]["n_drafted"] > 0
+    loader = {t for name, t in calls if name == "Model.__init__"}
+    assert len(loader) == 1
+    elsewhere = sorted({name for name, t in calls if t not in loader})
+    assert not elsewhere, f"llama.cpp computed on another thread than the loader's: {elsewhere}"
+    assert {"Context.decode", "Sampler.sample", "TransformChain.apply", "Context.close"} <= {n for n, _ in calls}
