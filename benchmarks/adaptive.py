@@ -25,10 +25,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from specq.native import _ffi
-from specq.native.bench import BenchConfig, load_prompt_set, read_prompt_set, run_bench
-from specq.native.demo import cache_dir, demo_pair
-from specq.native.engine import GenerationSettings
+from specq.native.llama import ffi as _ffi
+from specq.native.commands.bench import BenchConfig, load_prompt_set, read_prompt_set, run_bench
+from specq.native.commands.demo import cache_dir, demo_pair
+from specq.native.core.settings import GenerationSettings
 
 
 def first_layers(src: Path, dst: Path, n: int) -> Path:

@@ -2,7 +2,7 @@
 
 For each pair, one `specq bench` sweep (baseline and draft-max 2, 4, 8, auto, alternating, `--repeat` times,
 the built-in `code` and `summary` prompts as chat turns) through bench's own loop; per point: the measured speed-up (median tokens/s ÷ median baseline tokens/s), the
-predicted one (native/cost.py: the adaptive controller's model on the run's measured per-position acceptance,
+predicted one (native/control/report.py: the adaptive controller's model on the run's measured per-position acceptance,
 draft costs, verify cost by batch size and overhead) and the ideal one (a verify as cheap as one token).
 
 Pairs (all from the demo model, nothing downloaded):
@@ -23,9 +23,9 @@ from pathlib import Path
 
 from adaptive import file_names_only, first_layers, machine
 from deep_pair import deep_pair
-from specq.native.bench import BenchConfig, load_prompt_set, run_bench
-from specq.native.demo import cache_dir, demo_pair
-from specq.native.engine import GenerationSettings
+from specq.native.commands.bench import BenchConfig, load_prompt_set, run_bench
+from specq.native.commands.demo import cache_dir, demo_pair
+from specq.native.core.settings import GenerationSettings
 
 POINTS = (2, 4, 8, "auto")
 PROMPTS = ("code", "summary")  # from the built-in set, as chat turns: answers that run past --n-predict

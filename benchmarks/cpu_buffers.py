@@ -1,4 +1,4 @@
-"""What specq's CPU weight-buffer policy (native/cpu.py) costs: plain decoding speed of one model loaded with
+"""What specq's CPU weight-buffer policy (native/llama/cpu.py) costs: plain decoding speed of one model loaded with
 llama.cpp's extra buffers on (its default), "amx-off" (extra buffers off, the weights the x86 repack kernels
 take sent to the CPU-repack buffer by name: what specq does on an AMX machine) and "off" (no extra buffer).
 
@@ -20,8 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
-from specq.native import _ffi, cpu
-from specq.native.demo import cache_dir, demo_pair
+from specq.native.llama import ffi as _ffi, cpu
+from specq.native.commands.demo import cache_dir, demo_pair
 
 PROMPT = ("The history of the Roman Empire spans more than a thousand years, from the founding of the city to "
           "the fall of Constantinople. In this essay we")

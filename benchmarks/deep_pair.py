@@ -18,7 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from specq.native.demo import cache_dir, demo_pair
+from specq.native.commands.demo import cache_dir, demo_pair
 
 SCALED = ("attn_output.weight", "ffn_down.weight")  # the projections that write into the residual stream
 

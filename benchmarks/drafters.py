@@ -28,10 +28,12 @@ import statistics
 import sys
 from pathlib import Path
 
-from specq.native import _ffi, placement
-from specq.native.bench import load_prompt_set, prompt_tokens, read_prompt_set, run_record, BenchConfig
-from specq.native.demo import demo_pair
-from specq.native.engine import Engine, GenerationSettings
+from specq.native.llama import ffi as _ffi
+from specq.native.commands import placement
+from specq.native.commands.bench import load_prompt_set, prompt_tokens, read_prompt_set, run_record, BenchConfig
+from specq.native.commands.demo import demo_pair
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
 
 HERE = Path(__file__).parent
 SETS = {"general": None, "copy": HERE / "prompts" / "copy_heavy.jsonl"}

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adaptive import machine  # noqa: E402
 from long_context import wheel_libs  # noqa: E402
 
-from specq.native.demo import demo_pair  # noqa: E402
+from specq.native.commands.demo import demo_pair  # noqa: E402
 
 KEEP = ("n_prompt", "n_gen", "n_depth", "flash_attn", "type_k", "type_v", "n_ubatch", "n_threads", "avg_ts",
         "stddev_ts")

@@ -37,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adaptive import machine  # noqa: E402
 from deep_pair import deep_pair  # noqa: E402
 
-from specq.native.demo import demo_pair  # noqa: E402
-from specq.native.engine import Engine, GenerationSettings  # noqa: E402
+from specq.native.commands.demo import demo_pair  # noqa: E402
+from specq.native.core.engine import Engine  # noqa: E402
+from specq.native.core.settings import GenerationSettings  # noqa: E402
 
 MODULES = ("argparse", "subprocess", "typing", "collections", "json", "asyncio", "unittest", "logging", "email",
            "http.client", "decimal", "datetime", "pathlib", "re", "socket", "threading", "tarfile", "zipfile", "csv",

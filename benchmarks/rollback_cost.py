@@ -1,14 +1,14 @@
 """Per-step cost of rolling a hybrid (qwen35) target back: llama.cpp's n_rs_seq snapshots vs a checkpoint copy.
 
 A speculative step on a hybrid target verifies [last, d1..dk] in one decode and, on a partial acceptance, drops
-the rejected tail. The engine does that one of two ways (native/engine.py `_Cache`):
+the rejected tail. The engine does that one of two ways (native/core/engine.py `Memory`):
 
 - rollback: the context keeps n_rs_seq recurrent-state snapshots per decode, and `llama_memory_seq_rm` drops the
   tail (what specq does when the draft fits in n_rs_seq, 16 by default);
 - restore: a copy of the recurrent state is taken before the verify (`llama_state_seq_get_data_ext`, partial),
   written back on a partial acceptance, and the accepted tokens are decoded again.
 
-This runs both through the engine's own `_Cache` on random-weight qwen35 models of growing width and depth,
+This runs both through the engine's own `Memory` on random-weight qwen35 models of growing width and depth,
 written at run time (tests/tinymodels.py), and times each step's parts: the checkpoint copy, the verify decode,
 the rollback or restore (the state written back, then the accepted tokens decoded again). Modes alternate step by step; acceptance cycles through 0..k-1, so
 every step rolls back. Greedy logits are not read: the cost is the memory's, not the sampler's.
@@ -32,8 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the fixture writers
 
-from specq.native import _ffi  # noqa: E402
-from specq.native.engine import _Cache  # noqa: E402
+from specq.native.llama import ffi as _ffi  # noqa: E402
+from specq.native.core.memory import Memory  # noqa: E402
 from tinymodels import TinyQwen35Spec, write_tiny_qwen35  # noqa: E402
 
 # (name, spec): width, depth and the linear layers' heads grow together, as they do across Qwen3.5 sizes
@@ -55,7 +55,7 @@ def recurrent_state_bytes(spec: TinyQwen35Spec) -> int:
     return 4 * n_linear * per_layer
 
 
-def one_step(cache: _Cache, rng, n_vocab: int, k: int, accepted: int) -> dict:
+def one_step(cache: Memory, rng, n_vocab: int, k: int, accepted: int) -> dict:
     """One verify of k drafts after the cache's tokens, then a rollback to `accepted` of them (+ the last)."""
     n0 = len(cache.tokens)
     batch = rng.integers(10, n_vocab, size=k + 1).tolist()
@@ -81,7 +81,7 @@ def measure(path: Path, spec: TinyQwen35Spec, k: int, steps: int, prefix: int, t
     try:
         for mode, n_rs in (("rollback", 16), ("restore", 0)):
             ctx = _ffi.Context(model, 1024, threads, n_batch=512, n_outputs_max=k + 1, name=mode, n_rs_seq=n_rs)
-            caches[mode] = _Cache(ctx, partial_rm=False)
+            caches[mode] = Memory(ctx, partial_rm=False)
         rng = np.random.default_rng(seed)
         start = rng.integers(10, model.n_vocab, size=prefix).tolist()
         for c in caches.values():

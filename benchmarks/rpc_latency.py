@@ -217,7 +217,7 @@ def main() -> None:
     if args.tiny:
         target, draft = tiny_pair(Path(tmp.name))
     else:
-        from specq.native.demo import demo_pair
+        from specq.native.commands.demo import demo_pair
 
         target, draft = demo_pair()
     server, port = start_server(args.server_threads)

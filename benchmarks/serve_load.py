@@ -226,7 +226,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     a.clients = [int(x) for x in a.clients.split(",")]
-    from specq.native.demo import demo_pair
+    from specq.native.commands.demo import demo_pair
 
     target, draft = demo_pair()
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]

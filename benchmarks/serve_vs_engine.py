@@ -27,8 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from specq.native.bench import DEFAULT_PROMPT  # noqa: E402
-from specq.native.engine import Engine, GenerationSettings  # noqa: E402
+from specq.native.commands.bench import DEFAULT_PROMPT  # noqa: E402
+from specq.native.core.engine import Engine  # noqa: E402
+from specq.native.core.settings import GenerationSettings  # noqa: E402
 
 _PORT = re.compile(r"on http://127\.0\.0\.1:(\d+)/v1")
 FILLER = ("The history of computing is a story of machines that got smaller, faster and cheaper, and of the people "
@@ -102,7 +103,7 @@ def main() -> None:
 
     target, draft = pair(a.pair)
     if target is None:
-        from specq.native.demo import demo_pair
+        from specq.native.commands.demo import demo_pair
 
         target, draft = (str(p) for p in demo_pair())
         serve_args = []  # bare `specq serve`: the built-in demo pair

@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from specq.native import _ffi
-from specq.native.plan import Device, plan
+from specq.native.llama import ffi as _ffi
+from specq.native.commands.plan import Device, plan
 
 
 def gpu_free() -> int:

@@ -99,7 +99,7 @@ def main() -> None:
                     help="also run specq with its default settings (draft-max auto) and the target alone")
     a = ap.parse_args()
     if a.target is None:
-        from specq.native.demo import demo_pair
+        from specq.native.commands.demo import demo_pair
 
         t, d = demo_pair()
         a.target, a.draft = str(t), str(d)

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from ..errors import ManifestError, SpecqError, UsageError
-from ..native.engine import GenerationSettings
+from ..native.core.settings import GenerationSettings
 from .checks import check_finite, user_path
 
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show llama.cpp's log and specq's debug log.")]
@@ -168,7 +168,7 @@ def resolve_pair(pair: Path | None, target: Path | None, draft: Path | None, cli
         return target, draft, {}
     if target is not None or draft is not None:
         raise UsageError("give --pair or --target/--draft, not both")
-    from ..convert.manifest import load_pair
+    from ..manifest import load_pair
 
     p = load_pair(pair)
     tuned = p.manifest.get("tuned")
@@ -186,7 +186,7 @@ _MANIFEST_TYPES = {"draft_max": (int, str), "draft_min": (int,), "p_min": (int, 
 
 def check_manifest_settings(settings: dict, pair_dir: Path) -> None:
     """A bad value in the manifest is the manifest's fault (exit 1, naming it and the key), not a bad flag."""
-    from ..convert.manifest import MANIFEST_NAME
+    from ..manifest import MANIFEST_NAME
 
     where = pair_dir / MANIFEST_NAME
     for key, value in settings.items():
@@ -209,7 +209,7 @@ def models_or_demo(target: Path | None, draft: Path | None) -> tuple:
         return target, draft
     if draft is not None:
         raise UsageError("--draft needs --target; omit both for the demo pair")
-    from ..native.demo import demo_pair
+    from ..native.commands.demo import demo_pair
 
     return demo_pair()
 
@@ -223,7 +223,7 @@ def draft_for_drafters(settings: GenerationSettings, draft: Path | None) -> Path
 
 def drafter_engine_options(settings: GenerationSettings) -> dict:
     """Engine options the drafters need: the target's MTP head for mtp (and for auto where it has one)."""
-    from ..native.engine import mtp_option
+    from ..native.core.settings import mtp_option
 
     return {"mtp": mtp_option(settings.drafters)}
 

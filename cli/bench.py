@@ -16,17 +16,18 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import UsageError, check_text
-from ..native.bench import DEFAULT_PROMPT, BenchConfig, load_prompt_set, run_bench, write_csv
-from ..native.bench_plot import check_plot_available, plot_sweep
-from ..native.engine import GenerationSettings
-from ..native.ngram import drafts_without_model
-from ..native.placement import resolve_placement
+from ..native.commands.bench import DEFAULT_PROMPT, BenchConfig, load_prompt_set, run_bench, write_csv
+from ..native.commands.bench_plot import check_plot_available, plot_sweep
+from ..native.core.settings import GenerationSettings
+from ..native.drafters.ngram import drafts_without_model
+from ..native.commands.placement import resolve_placement
 from .checks import check_output_path, pair_warning
-from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, parse_ctx_draft, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
-                      draft_for_drafters, drafter_engine_options, DraftMinOpt, DraftOpt, err, handle_errors, MainGpuOpt, MinPOpt,
-                      models_or_demo, NglDraftOpt, NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, parse_draft_max, PMinOpt,
-                      Quiet, resolve_pair, SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt,
-                      TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
+from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, parse_ctx_draft, CtxOpt, DeviceOpt,
+                      DraftDeviceOpt, DrafterOpt, DraftMaxOpt, draft_for_drafters, drafter_engine_options,
+                      DraftMinOpt, DraftOpt, err, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
+                      NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, parse_draft_max, PMinOpt, Quiet, resolve_pair,
+                      SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt, TensorSplitOpt,
+                      ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
 
 
 def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[str, ...]:

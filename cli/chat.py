@@ -17,14 +17,15 @@ from rich.live import Live
 from rich.text import Text
 
 from ..errors import ContextFullError, UsageError
-from ..native.chat import HELP, AnswerProgress, ChatSession, Command, ConversationFullError, apply_setting, \
-    open_chat, panel_data, parse_command
-from ..native.placement import resolve_placement
-from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, parse_ctx_draft, CtxOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
-                      draft_for_drafters, drafter_engine_options, DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
-                      NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, SeedOpt,
-                      settings_from_flags, setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt,
-                      ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
+from ..native.commands.chat import (HELP, AnswerProgress, ChatSession, Command, ConversationFullError, apply_setting,
+                                    open_chat, panel_data, parse_command)
+from ..native.commands.placement import resolve_placement
+from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, parse_ctx_draft, CtxOpt, DeviceOpt,
+                      DraftDeviceOpt, DrafterOpt, DraftMaxOpt, draft_for_drafters, drafter_engine_options,
+                      DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt,
+                      NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, SeedOpt, settings_from_flags,
+                      setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt,
+                      TopPOpt, Verbose, VramBudgetOpt, warn)
 from .checks import pair_warning, user_path
 from .chat_view import StreamBuffer, build_panel, stats_table
 

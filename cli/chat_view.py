@@ -9,7 +9,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ..native.chat import PanelData, Totals, Turn
+from ..native.commands.chat import PanelData, Totals, Turn
 
 DRAFT_STYLE = "green"
 TARGET_STYLE = "yellow"

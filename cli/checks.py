@@ -60,7 +60,7 @@ def check_finite(**flags: float | None) -> None:
 def _n_params(path: Path) -> int | None:
     """Weights in a GGUF, from its tensor table; None when it cannot be read (the loader says why later)."""
     from ..errors import SpecqError
-    from ..native.gguf_header import read_header
+    from ..native.llama.gguf_header import read_header
 
     try:
         return sum(math.prod(t.shape) for t in read_header(path).tensors)

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from ..native.doctor import doctor_report
+from ..native.commands.doctor import doctor_report
 from ._common import Quiet, Verbose, handle_errors, out, setup_logging
 
 GiB = 1 << 30

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from ..native.plan import CACHE_TYPES, budget_devices, fmt_bytes, parse_budget, plan
+from ..native.commands.plan import CACHE_TYPES, budget_devices, fmt_bytes, parse_budget, plan
 from ._common import Quiet, Verbose, fail, handle_errors, out, setup_logging
 
 
@@ -54,7 +54,7 @@ def main(
     setup_logging(verbose, quiet)
     budget = parse_budget(vram)  # a malformed size is a usage error (exit 2) before anything is read
     if rpc:
-        from ..native import rpc as rpc_backend
+        from ..native.commands import rpc as rpc_backend
 
         rpc_backend.connect(rpc)
     p = plan(str(target), str(draft) if draft else None, budget_devices(budget), ctx=ctx, cache_type=cache_type,

@@ -29,7 +29,7 @@ def build_main(
 ) -> None:
     """Build llama.cpp's RPC backend (libggml-rpc.so) for the installed llama-cpp-python, into specq's cache."""
     setup_logging(verbose, quiet)
-    from ..native import rpc
+    from ..native.commands import rpc
 
     if sdist is not None and not sdist.is_file():
         raise UsageError(f"sdist not found ({sdist}); check the path or omit --sdist")
@@ -63,9 +63,9 @@ def server_main(
         raise UsageError(f"--port must be between 1 and 65535 ({port})")
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1 ({threads})")
-    from ..native import rpc
-    from ..native.engine import physical_cores
-    from ..native.placement import parse_devices
+    from ..native.commands import rpc
+    from ..native.core.settings import physical_cores
+    from ..native.commands.placement import parse_devices
 
     devices = rpc.serve_devices(list(parse_devices(device) or ()))
     warn("llama.cpp's RPC protocol has NO authentication and NO encryption: anyone who can reach "
@@ -74,7 +74,7 @@ def server_main(
     if host not in LOOPBACK:
         warn(f"listening on {host}, not loopback: make sure only your own hosts can reach port {port} "
              "(a firewall rule or a private network)")
-    from ..native.plan import fmt_bytes
+    from ..native.commands.plan import fmt_bytes
 
     th = rpc.start_server(host, port, devices, threads or physical_cores(),
                           cache_dir=_cache_dir() if cache else None)
@@ -101,7 +101,7 @@ def _client_host(host: str) -> str:
 
 
 def _cache_dir() -> str:
-    from ..native.demo import cache_dir
+    from ..native.commands.demo import cache_dir
 
     d = cache_dir() / "rpc-server-cache"
     d.mkdir(parents=True, exist_ok=True)

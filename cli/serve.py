@@ -1,4 +1,4 @@
-"""`specq serve`: an OpenAI-compatible server with exact speculative decoding (the library is native/serve.py)."""
+"""`specq serve`: an OpenAI-compatible server with exact speculative decoding (the library is native/serving/app.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import UsageError
-from ._common import (RpcOpt, AcceptOpt, CtxDraftOpt, parse_ctx_draft, CtxOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftMaxOpt,
-                      draft_for_drafters, drafter_engine_options, DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
-                      NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, settings_from_flags,
-                      setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt,
-                      Verbose, VramBudgetOpt)
+from ._common import (RpcOpt, AcceptOpt, CtxDraftOpt, parse_ctx_draft, CtxOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt,
+                      DraftDeviceOpt, DrafterOpt, DraftMaxOpt, draft_for_drafters, drafter_engine_options,
+                      DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt,
+                      NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, settings_from_flags,
+                      setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt,
+                      TopPOpt, Verbose, VramBudgetOpt)
 
 
 def _route_server_logs(verbose: bool) -> None:
@@ -42,7 +43,7 @@ def _exposure_warning(host: str, api_key: str | None) -> str | None:
 
 
 def _parse_size_flag(flag: str, text: str) -> int:
-    from ..native.plan import parse_size
+    from ..native.commands.plan import parse_size
 
     try:
         return int(text) if text.isdigit() else parse_size(text)
@@ -97,8 +98,8 @@ def main(
     verbose: Verbose = False,
     quiet: Quiet = False,
 ) -> None:
-    from ..native.placement import resolve_placement
-    from ..native.serve import ServeConfig, bind_socket, open_server, require_serve_extra
+    from ..native.commands.placement import resolve_placement
+    from ..native.serving.app import ServeConfig, bind_socket, open_server, require_serve_extra
 
     setup_logging(verbose, quiet)
     require_serve_extra()

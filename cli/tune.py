@@ -11,14 +11,15 @@ import typer
 from rich.table import Table
 
 from ..errors import UsageError
-from ..native.engine import DRAFT_MAX_CAP, Engine
-from ..native.tune import DEFAULT_PROMPTS, TuneResult, calibrate, write_tuned
-from ..native.placement import resolve_placement
-from ..native.engine import GenerationSettings
-from ._common import (RpcOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftOpt, draft_for_drafters,
-                      drafter_engine_options, err, handle_errors, MainGpuOpt, models_or_demo,
-                      NglDraftOpt, NglOpt, out, PairOpt, Quiet, resolve_pair, setup_logging, TargetOpt, TensorSplitOpt, ThreadsOpt,
-                      Verbose, VramBudgetOpt, warn)
+from ..native.core.settings import DRAFT_MAX_CAP
+from ..native.core.engine import Engine
+from ..native.commands.tune import DEFAULT_PROMPTS, TuneResult, calibrate, write_tuned
+from ..native.commands.placement import resolve_placement
+from ..native.core.settings import GenerationSettings
+from ._common import (RpcOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftOpt,
+                      draft_for_drafters, drafter_engine_options, err, handle_errors, MainGpuOpt, models_or_demo,
+                      NglDraftOpt, NglOpt, out, PairOpt, Quiet, resolve_pair, setup_logging, TargetOpt,
+                      TensorSplitOpt, ThreadsOpt, Verbose, VramBudgetOpt, warn)
 from .checks import check_finite, check_output_path, pair_warning
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import gguf
 
 from ..errors import ConversionError, UsageError
-from . import align, manifest, qwen35
+from . import align, qwen35
+from .. import manifest
 from .arch import write_hparams
 from .tensor_jobs import Checkpoint, build_jobs, estimate_bytes, inspect, n_weights
 from .quantize import BITS_PER_WEIGHT, parse_quant, quantize_file

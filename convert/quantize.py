@@ -6,8 +6,8 @@ import logging
 from pathlib import Path
 
 from ..errors import UsageError
-from ..native import _ffi
-from ..native.quantize_proc import quantize_in_child
+from ..native.llama import ffi as _ffi
+from ..native.llama.quantize_proc import quantize_in_child
 from .writer import ProgressFn, atomic_output
 
 log = logging.getLogger("specq.convert")

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import ConversionError
 from . import align, gemma3, qwen35
-from ..native.gguf_check import architecture_tensors
+from ..native.llama.gguf_check import architecture_tensors
 from .arch import ArchSpec, NameMap, read_config, rope_freqs
 from .checkpoint import DTYPES, MappedFiles, TensorRef, read_checkpoint
 from .source import Source, weight_files

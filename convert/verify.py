@@ -9,8 +9,8 @@ from ..errors import ConversionError, ModelFileError
 
 def verify_output(path: Path) -> None:
     """Check the file's tensors against its architecture and load its vocabulary with llama.cpp."""
-    from ..native import _ffi
-    from ..native.interrupts import deferred_sigint
+    from ..native.llama import ffi as _ffi
+    from ..native.llama.interrupts import deferred_sigint
 
     try:
         with deferred_sigint():  # llama.cpp's log callback would swallow a Ctrl-C during the load

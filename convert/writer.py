@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 
 from ..errors import ConversionError
-from ..native import abort_guard
+from ..native.llama import abort_guard
 from .checkpoint import MappedFiles, TensorRef
 
 log = logging.getLogger("specq.convert")

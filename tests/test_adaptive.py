@@ -9,11 +9,13 @@ import pytest
 
 import tinymodels
 
-import specq.native.engine as engine_mod
+import specq.native.core.generation as generation_mod
+import specq.native.core.session as session_mod
 from specq.errors import UsageError
-from specq.native.adaptive import REACH_STEP, AdaptiveDraft, paired_acceptance, window_pays, window_pays_at
-from specq.native.engine import (AUTO_DRAFT_CAP, DRAFT_SINK, WINDOW_TRIAL, Engine, GenerationSettings,
-                                 SimulatedClock)
+from specq.native.control.adaptive import REACH_STEP, AdaptiveDraft, paired_acceptance, window_pays, window_pays_at
+from specq.native.core.settings import (AGREE_TOKENS, AUTO_DRAFT_CAP, DRAFT_SINK, WINDOW_PROBATION, WINDOW_TRIAL,
+                                        GenerationSettings)
+from specq.native.core.engine import Engine, SimulatedClock
 
 
 def simulate(alpha: float, draft_ms: float, verify_ms, steps: int = 300, seed: int = 0):
@@ -149,7 +151,7 @@ def test_engine_auto_with_perfect_cheap_draft_drafts_and_accepts(pairs):
 
 
 def test_a_noisy_cheap_reading_of_a_big_verify_does_not_make_drafting_look_free():
-    from specq.native.adaptive import AdaptiveDraft
+    from specq.native.control.adaptive import AdaptiveDraft
 
     c = AdaptiveDraft(cap=4, cost_ratio_prior=0.5)
     for _ in range(20):  # plain decoding: one-token verifies at 10 ms
@@ -204,10 +206,10 @@ def test_the_controller_outlives_a_generation_and_counts_per_generation(pairs):
 @pytest.mark.parametrize("draft_max", [2, 4, 8, "auto"])
 def test_the_cost_model_explains_a_run_on_a_simulated_clock(deep_target, tiny_close, draft_max):
     # Costs are exact here (a simulated clock), so the controller's model evaluated on the run's own
-    # measurements (native/cost.py) must reproduce the measured tokens/s: a wrong term (catch-up left out,
+    # measurements (native/control/report.py) must reproduce the measured tokens/s: a wrong term (catch-up left out,
     # pooled instead of per-position acceptance, one verify cost for all batch sizes) shows up as a gap.
-    from specq.native.bench import run_record
-    from specq.native.cost import pool
+    from specq.native.commands.bench import run_record
+    from specq.native.control.report import pool
 
     clock = SimulatedClock(cpu_like_costs(target_one_ms=10.0, draft_ms=2.0))
     with Engine(deep_target, tiny_close, ctx=512, threads=1, clock=clock) as e:  # a draft of 1/12 the size
@@ -333,7 +335,7 @@ def test_at_long_context_a_draft_window_is_taken_where_it_is_faster(recent_pair)
     # drafts from the trial's memory with no catch-up over the window, on probation (the whole context's memory
     # waits). The answer's rows confirm it (the pair depends mostly on recent tokens): the draft's context adopts
     # the window's memory, and the output is the target's.
-    from specq.native import _ffi
+    from specq.native.llama import ffi as _ffi
 
     auto = GenerationSettings(n_predict=32, draft_max="auto")
     with Engine(*recent_pair, ctx=2048, threads=1, clock=SimulatedClock(recent_costs())) as e:
@@ -360,7 +362,7 @@ def test_at_long_context_a_draft_window_is_taken_where_it_is_faster(recent_pair)
         # there as well, and costs a quarter of the whole context's a token: it wins even if the whole context
         # agreed on every row, so the whole context's memory was not caught up to find out
         whole, window = ses.window_evidence
-        assert window[1] >= 32 + engine_mod.WINDOW_PROBATION and window[0] >= 0.9 * window[1]
+        assert window[1] >= 32 + WINDOW_PROBATION and window[0] >= 0.9 * window[1]
         assert whole == (32, 32) and ses.n_window_measures == 0
         assert ses.window_on_probation() is None and ses.dft.ctx is e.dft_ctx  # kept: adopted
         ses.reset()
@@ -406,13 +408,13 @@ def test_a_window_the_answer_does_not_bear_out_is_given_up_without_a_new_prefill
         decoded[name] += n
         return base(name, n) + (0.015 * pos0 * (1.0 + 0.2 * (n - 1)) / 1e3 if name == "target" else 0.0)
 
-    real, calls = engine_mod.window_pays, []
+    real, calls = session_mod.window_pays, []
 
     def first_says_yes(*args, **kw):
         calls.append(args[:2])
         return True if len(calls) == 1 else real(*args, **kw)
 
-    monkeypatch.setattr(engine_mod, "window_pays", first_says_yes)
+    monkeypatch.setattr(session_mod, "window_pays", first_says_yes)
     auto = GenerationSettings(n_predict=40, draft_max="auto")
     with Engine(*recent_pair, ctx=2048, threads=1, clock=SimulatedClock(cost)) as e:
         toks = long_prompt(e, 1600)
@@ -425,7 +427,7 @@ def test_a_window_the_answer_does_not_bear_out_is_given_up_without_a_new_prefill
         # cheaper): they were measured, and both sides compared on the same rows
         assert ses.n_window_measures == 1
         whole, window = ses.window_evidence
-        assert len(calls) == 1 and whole[1] == window[1] >= 8 + engine_mod.WINDOW_PROBATION
+        assert len(calls) == 1 and whole[1] == window[1] >= 8 + WINDOW_PROBATION
         assert g.stats.n_window_trials == 1 and g.stats.n_window_reverts == 1 and g.stats.draft_window is None
         assert ses.window is None and ses.dft.ctx is e.dft_ctx and ses.dft.offset == 0
         assert ses.dft.tokens == ses.history[:len(ses.dft.tokens)]  # the whole history, caught up
@@ -529,10 +531,10 @@ def test_prompt_agreement_lets_a_pair_that_agrees_draft_from_the_first_step(deep
         ses = e.session()
         drafted, plain = first_step(ses, long_prompt(e, 1500), auto)
         agree, n = ses.agreement
-        assert n == engine_mod.AGREE_TOKENS and agree >= 0.9 * n
+        assert n == AGREE_TOKENS and agree >= 0.9 * n
         assert ses.controller(auto).n_seeds == 1 and drafted > 0 and plain == 0
 
-        monkeypatch.setattr(engine_mod, "AGREE_TOKENS", 0)  # the mechanism off: the prior alone goes plain
+        monkeypatch.setattr(generation_mod, "AGREE_TOKENS", 0)  # the mechanism off: the prior alone goes plain
         ses = e.session()
         drafted, plain = first_step(ses, long_prompt(e, 1500), auto)
         assert ses.agreement is None and ses.controller(auto).n_seeds == 0 and (drafted, plain) == (0, 1)
@@ -611,7 +613,7 @@ def test_probes_cost_at_most_a_few_percent_where_drafting_barely_pays(alpha):
 def test_without_the_probe_budget_the_probes_cost_more(monkeypatch):
     # The same pair with the budget off: the thin-evidence probes (spaced only by their last measured cost) lose
     # over 4% of a 48-token answer.
-    from specq.native import adaptive
+    from specq.native.control import adaptive
 
     monkeypatch.setattr(adaptive.ExploreBudget, "allows", lambda self, *args: True)
     c = AdaptiveDraft(cap=16)
@@ -688,7 +690,7 @@ def test_while_evidence_is_thin_a_step_costs_at_most_a_few_plain_ones():
 
 
 def test_without_the_reach_the_opening_drafts_to_the_cap(monkeypatch):
-    from specq.native import adaptive
+    from specq.native.control import adaptive
 
     monkeypatch.setattr(adaptive, "THIN_STEP_COST", float("inf"))
     runs = [deep_8k_opening(seed) for seed in range(6)]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specq.native.adaptive import AdaptiveDrafters
-from specq.native.engine import Engine, GenerationSettings, SimulatedClock
+from specq.native.control.adaptive import AdaptiveDrafters
+from specq.native.core.engine import Engine, SimulatedClock
+from specq.native.core.settings import GenerationSettings
 from test_adaptive import cpu_like_costs
 from tinymodels import write_tiny_qwen35
 
@@ -133,7 +134,7 @@ def test_a_pair_manifest_and_a_preset_may_name_the_drafter(tiny_target, tmp_path
     from typer.testing import CliRunner
 
     from specq.cli.app import app
-    from specq.convert.manifest import sha256_file, write_manifest
+    from specq.manifest import sha256_file, write_manifest
     from specq.convert.presets import parse_preset
     from test_presets import raw
     from specq.errors import ManifestError
@@ -216,7 +217,7 @@ def test_an_ngram_step_is_charged_the_draft_models_catch_up():
 def test_without_the_catch_up_charge_the_ngram_step_would_win(monkeypatch):
     # the counterpart of the test above: the same evidence with the charge taken away picks the n-grams, so the
     # choice above is the charge's doing
-    from specq.native.adaptive import AdaptiveDraft
+    from specq.native.control.adaptive import AdaptiveDraft
     monkeypatch.setattr(AdaptiveDraft, "catchup_s", lambda self: 0.0)
     c = _controller_after_mixed_steps()
     assert c.choose({"model": 16, "ngram": 3})[0] == "ngram"

@@ -252,7 +252,7 @@ def test_help_texts_print_their_brackets():
 def test_without_the_checks_llama_cpp_aborts_and_the_guard_prints_one_line(files, which, call):
     """The files above are refused for a reason: loaded straight into llama.cpp they abort the process.
     The abort callback then prints one specq line and exits 1 (not SIGABRT with a backtrace)."""
-    code = ("import llama_cpp.llama_cpp as C\nfrom specq.native import _ffi\n_ffi.ensure_backend()\n"
+    code = ("import llama_cpp.llama_cpp as C\nfrom specq.native.llama import ffi as _ffi\n_ffi.ensure_backend()\n"
             f"path = {files[which].encode()!r}\n{call}\nprint('survived')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "survived" not in r.stdout
@@ -315,7 +315,7 @@ def test_interactive_chat_prints_markup_as_typed(files):
 
 def test_good_files_pass_the_checks(tiny_target, tiny_close, tmp_path):
     """The checks refuse what llama.cpp refuses, not more: normal models and a vocabulary-only file pass."""
-    from specq.native.gguf_check import check_model_file
+    from specq.native.llama.gguf_check import check_model_file
 
     vocab_only = write_tiny_gguf(tmp_path / "vocab-only.gguf", seed=1, edit_weights=lambda w: {})
     padded = write_tiny_gguf(tmp_path / "padded.gguf", seed=1, spec=TinySpec(extra_rows=13))

@@ -11,12 +11,13 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-import specq.native.bench as bench_lib
+import specq.native.commands.bench as bench_lib
 from specq.cli.bench import cost_line, histogram, parse_list, recommendation_line, report
 from specq.cli.main import app
 from specq.errors import UsageError
-from specq.native.bench import CSV_COLUMNS, load_prompt_set
-from specq.native.engine import GenerationStats, ModelInfo
+from specq.native.commands.bench import CSV_COLUMNS, load_prompt_set
+from specq.native.core.stats import GenerationStats
+from specq.native.core.engine import ModelInfo
 
 runner = CliRunner()
 
@@ -222,7 +223,7 @@ def test_sweep_on_tiny_models_with_prompt_set_csv_and_plot(tiny_target, tiny_clo
 def test_pair_folder_gives_models_and_suggested_settings(tiny_target, tiny_close, tmp_path):
     import shutil
 
-    from specq.convert.manifest import sha256_file, write_manifest
+    from specq.manifest import sha256_file, write_manifest
 
     shutil.copy(tiny_target, tmp_path / "t.gguf")
     shutil.copy(tiny_close, tmp_path / "d.gguf")
@@ -245,7 +246,7 @@ def test_pair_folder_gives_models_and_suggested_settings(tiny_target, tiny_close
 def test_pair_with_a_changed_file_is_refused(tiny_target, tiny_close, tmp_path, monkeypatch):
     import shutil
 
-    from specq.convert.manifest import sha256_file, write_manifest
+    from specq.manifest import sha256_file, write_manifest
 
     monkeypatch.setenv("SPECQ_CACHE_DIR", str(tmp_path / "cache"))
     shutil.copy(tiny_target, tmp_path / "t.gguf")
@@ -268,7 +269,8 @@ def test_a_divergence_is_located_and_judged_by_the_target_logit_margin(tiny_targ
     import numpy as np
 
     from specq.cli.bench import divergence_lines
-    from specq.native.engine import Engine, GenerationSettings
+    from specq.native.core.engine import Engine
+    from specq.native.core.settings import GenerationSettings
 
     with Engine(tiny_target, None, ctx=256, threads=1) as eng:
         toks = eng.tokenize("The quick brown fox")

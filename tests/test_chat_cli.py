@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 import specq.cli.chat as chat_cli
 from specq.cli.chat_view import StreamBuffer, build_panel, sanitize, stats_table
 from specq.cli.main import app
-from specq.native.chat import ChatSession, PanelData
-from specq.native.engine import GenerationSettings, GenerationStats, TokenEvent
+from specq.native.commands.chat import ChatSession, PanelData
+from specq.native.core.settings import GenerationSettings
+from specq.native.core.stats import GenerationStats, TokenEvent
 
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

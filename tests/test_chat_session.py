@@ -7,9 +7,11 @@ import json
 import pytest
 
 from specq.errors import ContextFullError, SpecqError, UsageError
-from specq.native.chat import (AnswerProgress, ChatSession, Command, RateWindow, Totals, apply_setting,
-                               health_hint, load_template, panel_data, parse_command, reusable_prefix)
-from specq.native.engine import Engine, GenerationSettings, TokenEvent
+from specq.native.commands.chat import (AnswerProgress, ChatSession, Command, RateWindow, Totals, apply_setting,
+                                        health_hint, load_template, panel_data, parse_command, reusable_prefix)
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
+from specq.native.core.stats import TokenEvent
 
 SETTINGS = GenerationSettings(n_predict=12, draft_max=4)
 

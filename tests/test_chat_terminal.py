@@ -7,7 +7,8 @@ import json
 import pexpect
 
 from cli_bin import SPECQ
-from specq.native.engine import Engine, GenerationSettings
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
 
 
 

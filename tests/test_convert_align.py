@@ -8,9 +8,10 @@ import pytest
 from hfmodels import OTHER_CORPUS, TEST_TEXT, HFSpec, write_checkpoint
 from specq.convert.pipeline import convert_pair
 from specq.errors import IncompatibleDraftError
-from specq.native import _ffi
-from specq.native.compat import VocabInfo, check_compatible
-from specq.native.engine import Engine, GenerationSettings
+from specq.native.llama import ffi as _ffi
+from specq.native.core.compat import VocabInfo, check_compatible
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
 
 TARGET = HFSpec(arch="Qwen2ForCausalLM", extra_rows=24, seed=10)
 

@@ -18,7 +18,7 @@ from hfmodels import read_safetensors, to_bf16_bits
 from specq.cli.main import app
 from specq.convert.pipeline import convert_pair
 from specq.errors import ConversionError, IncompatibleDraftError
-from specq.native import _ffi
+from specq.native.llama import ffi as _ffi
 
 CASES = {
     "causal": GemmaSpec(),

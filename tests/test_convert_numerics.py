@@ -8,7 +8,7 @@ import pytest
 
 from hfmodels import TEST_TEXT, HFSpec, reference_logits, write_checkpoint
 from specq.convert.pipeline import convert_pair
-from specq.native import _ffi
+from specq.native.llama import ffi as _ffi
 
 CASES = {
     "llama": HFSpec(arch="LlamaForCausalLM", pretok="llama3"),

@@ -18,7 +18,7 @@ from hfqwen35 import Qwen35Spec, make_tokenizer, reference_logits, write_checkpo
 from specq.cli.main import app
 from specq.convert.pipeline import convert_pair
 from specq.errors import ConversionError
-from specq.native import _ffi
+from specq.native.llama import ffi as _ffi
 
 PROMPT = "def fibonacci(n):\n    return n  # 你好，世界 🙂 The quick brown fox jumps over the lazy dog."
 

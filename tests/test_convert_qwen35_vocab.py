@@ -8,7 +8,7 @@ import pytest
 
 from hfqwen35 import Qwen35Spec, qwen36_tokenizer, write_checkpoint
 from specq.convert.pipeline import convert_pair
-from specq.native import _ffi
+from specq.native.llama import ffi as _ffi
 
 pytestmark = pytest.mark.slow  # a 248k-token vocabulary: ~1-2 min to build, convert and load
 

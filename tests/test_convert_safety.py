@@ -13,10 +13,11 @@ from typer.testing import CliRunner
 from hfmodels import HFSpec, write_checkpoint
 from specq.cli.main import app
 from specq.convert import pipeline, writer
-from specq.convert.manifest import MANIFEST_NAME, load_pair
+from specq.manifest import MANIFEST_NAME, load_pair
 from specq.errors import ConversionError, ManifestError
-from specq.native import _ffi
-from specq.native.engine import Engine, GenerationSettings
+from specq.native.llama import ffi as _ffi
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
 
 SPEC = HFSpec(arch="Qwen2ForCausalLM", n_layer=1)
 runner = CliRunner()

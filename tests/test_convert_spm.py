@@ -14,9 +14,10 @@ from hfmodels import (OTHER_CORPUS, TEST_TEXT, HFSpec, reference_logits, spm_hf_
                       write_spm_checkpoint)
 from specq.convert.pipeline import convert_pair
 from specq.errors import ConversionError, IncompatibleDraftError
-from specq.native import _ffi
-from specq.native.compat import VocabInfo, check_compatible
-from specq.native.engine import Engine, GenerationSettings
+from specq.native.llama import ffi as _ffi
+from specq.native.core.compat import VocabInfo, check_compatible
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
 
 TEXTS = [
     TEST_TEXT,

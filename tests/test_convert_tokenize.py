@@ -11,7 +11,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from hfmodels import TEST_TEXT, HFSpec, write_checkpoint
 from specq.convert.pipeline import convert_pair
-from specq.native import _ffi
+from specq.native.llama import ffi as _ffi
 
 TEXTS = [
     TEST_TEXT,

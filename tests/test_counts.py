@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from specq.native.engine import Engine, GenerationSettings, Session
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
+from specq.native.core.session import Session
 from tinymodels import write_tiny_gguf
 
 PROMPT = "def fibonacci(n):"

@@ -15,7 +15,7 @@ import typer
 
 from cli_bin import BIN_DIR
 from specq.cli.main import app
-from specq.native.accept import ideal_speedup
+from specq.native.core.accept import ideal_speedup
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
@@ -133,11 +133,11 @@ def test_ideal_speedup_table_matches_the_formula():
 def _string_pieces() -> set[str]:
     """Every string literal (and literal part of an f-string) in the package's code."""
     pieces = set()
-    for folder in ("cli", "native", "convert"):
-        for f in (ROOT / folder).glob("*.py"):
-            for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
-                if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                    pieces.add(node.value)
+    files = list(ROOT.glob("*.py")) + [f for d in ("cli", "native", "convert") for f in (ROOT / d).rglob("*.py")]
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                pieces.add(node.value)
     return pieces
 
 

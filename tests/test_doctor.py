@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from specq.cli.main import app
-from specq.native import doctor as D
+from specq.native.commands import doctor as D
 
 GiB = 1 << 30
 CPU_INFO = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |"
@@ -38,7 +38,7 @@ def test_cli_json_on_this_machine():
     assert doc["system_info"].startswith("CPU :")
     assert doc["verdict"].startswith("CPU-only build — to use your GPU reinstall with CMAKE_ARGS=")
     assert "llama-cpp-python==" + doc["llama_cpp_python_version"] in doc["verdict"]
-    # the CPU weight-buffer decision (native/cpu.py) for this machine, consistent with its system info
+    # the CPU weight-buffer decision (native/llama/cpu.py) for this machine, consistent with its system info
     cpu = doc["cpu"]
     assert set(cpu) == {"features", "build_has_amx", "extra_buffers", "reason"}
     assert cpu["build_has_amx"] == ("AMX_INT8 = 1" in doc["system_info"])

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from specq.errors import ContextFullError, IncompatibleDraftError, UsageError
-from specq.native.engine import DRAFT_SINK, MIN_DRAFT_WINDOW, Engine, GenerationSettings
+from specq.native.core.settings import DRAFT_SINK, MIN_DRAFT_WINDOW, GenerationSettings
+from specq.native.core.engine import Engine
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -196,7 +197,7 @@ def test_a_draft_window_slides_over_a_long_history_and_output_stays_the_targets(
     """--ctx-draft below --ctx: the draft sees only the recent tokens. The output stays the target's, and the
     draft's memory holds exactly the history's first DRAFT_SINK tokens and its tail from the offset on, at positions
     0..: its next-token logits equal those of a fresh context given those tokens."""
-    from specq.native import _ffi
+    from specq.native.llama import ffi as _ffi
 
     prompt = " ".join(PROMPTS) * 12
     settings = GenerationSettings(n_predict=160, draft_max=4)

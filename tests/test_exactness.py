@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import tinymodels
-from specq.native import _ffi
-from specq.native.engine import Engine, GenerationSettings, SimulatedClock
+from specq.native.llama import ffi as _ffi
+from specq.native.core.engine import Engine, SimulatedClock
+from specq.native.core.settings import GenerationSettings
 from stats import chi2_pvalue
 from test_hybrid import write_tiny_mamba
 from tinymodels import TinySpec, write_tiny_gguf

@@ -8,7 +8,8 @@ import gguf
 import numpy as np
 import pytest
 
-from specq.native.engine import Engine, GenerationSettings
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
 from tinymodels import SPECIALS, vocab
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox"]

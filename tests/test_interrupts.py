@@ -113,7 +113,7 @@ def test_ctrl_c_while_the_demo_target_is_made(tmp_path):
 
 def test_deferred_sigint_holds_ctrl_c_until_the_c_call_returns():
     """Around llama.cpp calls that log through a Python callback, Ctrl-C is raised after the call, never lost."""
-    from specq.native.interrupts import deferred_sigint
+    from specq.native.llama.interrupts import deferred_sigint
 
     done = []
     with pytest.raises(KeyboardInterrupt):

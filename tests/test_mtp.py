@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 
 from specq.cli.app import app
 from specq.errors import ModelFileError
-from specq.native import _ffi
-from specq.native.engine import Engine, GenerationSettings
+from specq.native.llama import ffi as _ffi
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
 from stats import chi2_pvalue
 from test_exactness import sampled_law, target_law
 from tinymodels import write_tiny_qwen35

@@ -10,8 +10,9 @@ from typer.testing import CliRunner
 
 from specq.cli.main import app
 from specq.errors import UsageError
-from specq.native.engine import Engine, GenerationSettings
-from specq.native.ngram import parse_drafter, propose
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
+from specq.native.drafters.ngram import parse_drafter, propose
 from stats import chi2_pvalue
 from test_exactness import sampled_law, target_law
 
@@ -105,7 +106,7 @@ def test_bad_drafter_flags_are_usage_errors(tiny_target, args, phrase):
 
 @pytest.mark.slow
 def test_ngram_drafting_accepts_most_of_a_copy_on_the_demo_model():
-    from specq.native.demo import demo_pair
+    from specq.native.commands.demo import demo_pair
 
     code = "def add(a, b):\n    result = a + b\n    print('adding', a, 'and', b, 'gives', result)\n    return result\n\n"
     target, _ = demo_pair()

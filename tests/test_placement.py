@@ -10,9 +10,10 @@ from typer.testing import CliRunner
 
 from specq.cli.main import app
 from specq.errors import PlanError, UsageError
-from specq.native import _ffi
-from specq.native import placement as PL
-from specq.native.engine import Engine, GenerationSettings
+from specq.native.llama import ffi as _ffi
+from specq.native.commands import placement as PL
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
 
 from test_plan import write_qwen2_header
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from specq.errors import PlanError, UsageError
-from specq.native import plan as P
-from specq.native.gguf_header import read_header
+from specq.native.commands import plan as P
+from specq.native.llama.gguf_header import read_header
 
 GiB = 1 << 30
 Q = gguf.GGMLQuantizationType
@@ -265,7 +265,7 @@ def test_cli_plan_malformed_size_exits_2(pair, bad):
 
 
 def test_the_draft_is_never_planned_onto_a_remote_device(tiny_target, tiny_close):
-    from specq.native.plan import Device, plan
+    from specq.native.commands.plan import Device, plan
 
     remote = Device("RPC0", 8 << 30, 0, "10.0.0.2:50052")
     p = plan(str(tiny_target), str(tiny_close), [remote, Device("GPU0", 1 << 30, 0)], ctx=512)

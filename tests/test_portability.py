@@ -15,7 +15,7 @@ import pytest
 
 from cli_bin import BIN_DIR, SPECQ
 from loglines import LogLines
-from specq.native import cpu
+from specq.native.llama import cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 # Home and work folders of the machines this project has run on, and the usual ones elsewhere.
@@ -62,7 +62,7 @@ def test_the_cli_under_test_is_the_one_installed_beside_this_interpreter():
     assert first.startswith("#!") and Path(first[2:].strip()).parent == BIN_DIR, first
 
 
-# ---- the CPU buffer policy (native/cpu.py) ------------------------------------------------------------
+# ---- the CPU buffer policy (native/llama/cpu.py) ------------------------------------------------------------
 def test_amx_build_on_an_amx_cpu_keeps_the_amx_buffer_off():
     p = cpu.decide(SPR_INFO, cpu.cpu_flags(SPR_FLAGS))
     assert p.build_has_amx and p.extra_buffers == "amx-off" and not p.use_extra_bufts
@@ -131,7 +131,7 @@ def test_repack_patterns_fall_back_to_single_tensors_when_a_layer_does_not_quali
 # ---- the policy as llama.cpp applies it (a real load; the overrides are the part that could go wrong) -------
 @pytest.fixture(scope="module")
 def tiny_q4_0(models_dir, tiny_target):
-    from specq.native import _ffi
+    from specq.native.llama import ffi as _ffi
 
     path = models_dir / "target-q4_0.gguf"
     if not path.exists():
@@ -141,7 +141,7 @@ def tiny_q4_0(models_dir, tiny_target):
 
 def _load_and_decode(path, mode: str) -> tuple[list[int], list[str], int]:
     """Greedy tokens after a prompt, llama.cpp's log lines of the load, and the override patterns used."""
-    from specq.native import _ffi
+    from specq.native.llama import ffi as _ffi
 
     lg = logging.getLogger("specq.llama")
     h, old = LogLines(), lg.level
@@ -164,7 +164,7 @@ def _load_and_decode(path, mode: str) -> tuple[list[int], list[str], int]:
 
 
 def test_amx_off_sends_repackable_weights_to_the_repack_buffer_by_name(tiny_q4_0):
-    from specq.native import _ffi
+    from specq.native.llama import ffi as _ffi
 
     if "CPU_REPACK" not in _ffi.cpu_extra_buffer_types():
         pytest.fail("this llama.cpp build has no CPU_REPACK buffer; the policy would report extra_buffers=off")
@@ -187,7 +187,7 @@ def test_cpu_amx_flag_reaches_the_engine(tiny_target, tiny_close, monkeypatch):
     from typer.testing import CliRunner
 
     from specq.cli.main import app
-    from specq.native import engine
+    from specq.native.core import engine
 
     seen = []
     real = engine._ffi.Model

@@ -19,10 +19,10 @@ from specq.cli import convert as cli_convert
 from specq.cli.main import app
 from specq.convert import presets
 from specq.convert.arch import SUPPORTED
-from specq.convert.manifest import load_pair
+from specq.manifest import load_pair
 from specq.convert.quantize import QUANT_TYPES
 from specq.errors import ManifestError, UsageError
-from specq.native import _ffi
+from specq.native.llama import ffi as _ffi
 
 runner = CliRunner()
 PRESET_FILES = sorted(p for p in resources.files("specq.models").iterdir() if p.name.endswith(".toml"))

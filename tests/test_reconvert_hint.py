@@ -14,8 +14,7 @@ from typer.testing import CliRunner
 from hfqwen35 import Qwen35Spec, write_checkpoint
 from specq import __version__
 from specq.cli.main import app
-from specq.convert.manifest import (FLOAT32_TRANSFORMS_VERSION, MANIFEST_NAME, load_pair, reconvert_hint,
-                                    version_tuple)
+from specq.manifest import FLOAT32_TRANSFORMS_VERSION, MANIFEST_NAME, load_pair, reconvert_hint, version_tuple
 from specq.convert.pipeline import convert_pair
 
 HINT = "converting it again"

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from specq.errors import UsageError
-from specq.native.accept import rejection_emit
-from specq.native.engine import Engine, GenerationSettings
-from specq.native.sampling import SparseDist, Transform, sample
+from specq.native.core.accept import rejection_emit
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
+from specq.native.core.sampling import SparseDist, Transform, sample
 from stats import chi2_pvalue, chi2_sf
 from tinymodels import TinySpec, write_tiny_gguf
 

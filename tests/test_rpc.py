@@ -20,7 +20,7 @@ from cli_bin import SPECQ
 from rpc_servers import RpcServer, free_port
 from tinymodels import TinySpec, write_tiny_gguf
 
-from specq.native import rpc
+from specq.native.commands import rpc
 
 PROMPT = "The quick brown fox"
 ONE_LINE_S = 30  # a lost server must end the client within this (the watchdog is set far above it)

@@ -10,10 +10,11 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
-from specq.native.engine import Engine, GenerationSettings  # noqa: E402
-from specq.native.serve_api import ApiError, Limits, parse_json, parse_request, settings_for  # noqa: E402
-from specq.native.serve_metrics import ServerMetrics  # noqa: E402
-from specq.native.serve_worker import Job, QueueFull, StopMatcher, Worker, reused_prefix  # noqa: E402
+from specq.native.core.engine import Engine  # noqa: E402
+from specq.native.core.settings import GenerationSettings  # noqa: E402
+from specq.native.serving.api import ApiError, Limits, parse_json, parse_request, settings_for  # noqa: E402
+from specq.native.serving.metrics import ServerMetrics  # noqa: E402
+from specq.native.serving.worker import Job, QueueFull, StopMatcher, Worker, reused_prefix  # noqa: E402
 
 LIMITS = Limits(max_tokens=256, model_id="target", draft=True)
 SETTINGS = GenerationSettings(n_predict=40, draft_max=4)
@@ -226,7 +227,7 @@ def test_the_queue_is_bounded(tiny_target):
 # ---- set-up errors and warnings ----------------------------------------------------------------------------
 def test_a_missing_serve_extra_is_one_actionable_error(monkeypatch):
     from specq.errors import SpecqError
-    from specq.native import serve
+    from specq.native.serving import app as serve
 
     real = serve.importlib.util.find_spec
     monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
@@ -261,8 +262,8 @@ def test_a_served_request_computes_only_on_the_thread_that_loaded_the_models(tin
     import signal
 
     from serve_proc import http
-    from specq.native import _ffi
-    from specq.native.serve import ServeConfig, bind_socket, open_server
+    from specq.native.llama import ffi as _ffi
+    from specq.native.serving.app import ServeConfig, bind_socket, open_server
 
     calls: list[tuple[str, int]] = []
 

@@ -13,8 +13,9 @@ import llama_cpp.llama_cpp as C
 import numpy as np
 import pytest
 
-from specq.native import _ffi
-from specq.native.engine import Engine, GenerationSettings
+from specq.native.llama import ffi as _ffi
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
 from stats import chi2_pvalue
 from test_exactness import assert_consistent, target_law
 from tinymodels import CORPUS, TinyGemma3Spec, write_tiny_gemma3
@@ -189,7 +190,7 @@ def write_gemma3_header(path, *, n_layer: int, n_embd: int, n_head_kv: int, head
 
 
 def test_the_planner_counts_local_layers_at_window_plus_ubatch(tmp_path):
-    from specq.native import plan as P
+    from specq.native.commands import plan as P
     # Gemma-3-27B's attention shape: 62 layers (10 global), 16 KV heads of 128, a 1024-token window
     path = write_gemma3_header(tmp_path / "g27.gguf", n_layer=62, n_embd=5376, n_head_kv=16, head_dim=128,
                                window=1024)
@@ -207,7 +208,7 @@ def test_the_planner_counts_a_hybrid_targets_recurrent_state_and_its_rollback_sn
     # The benchmark's "m" qwen35 shape: llama.cpp logs 1.64 MiB of recurrent memory with n_rs_seq 0 and 27.89 MiB
     # with 16 (benchmarks.md); the planner must count 17 copies on the target, one on a draft, and no KV cache on
     # the linear-attention layers.
-    from specq.native import plan as P
+    from specq.native.commands import plan as P
     from tinymodels import TinyQwen35Spec, write_tiny_qwen35
     spec = TinyQwen35Spec(n_layer=16, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, head_dim=64, n_rot=16,
                           rope_sections=(4, 2, 2, 0), linear_k_heads=4, linear_v_heads=8, linear_head_dim=64)

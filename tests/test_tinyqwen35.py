@@ -8,8 +8,9 @@ import llama_cpp.llama_cpp as C
 import numpy as np
 import pytest
 
-from specq.native import _ffi
-from specq.native.engine import Engine, GenerationSettings
+from specq.native.llama import ffi as _ffi
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
 from tinymodels import TinyQwen35Spec, write_tiny_qwen35
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox"]

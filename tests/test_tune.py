@@ -9,7 +9,7 @@ import tomllib
 from typer.testing import CliRunner
 
 from specq.cli.main import app
-from specq.convert.manifest import MANIFEST_NAME, sha256_file, write_manifest
+from specq.manifest import MANIFEST_NAME, sha256_file, write_manifest
 
 runner = CliRunner()
 

@@ -1,0 +1,171 @@
+"""The speculative decoding engine: target + optional draft over llama.cpp's C API.
+
+Layers (as in mlx-lm): `Session._step` is one speculative step (draft → one batched verify → accept);
+`Session.generate` turns steps into token events with text and timing; the CLI prints them.
+Baseline decoding is the same loop with no draft, so comparisons are like for like.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ...errors import ModelFileError, UsageError
+from ..commands.placement import choose_flash_attn
+from ..llama import ffi as _ffi
+from .compat import VocabInfo, check_compatible
+from .session import Session
+from .settings import AGREE_TOKENS, AUTO_DRAFT_CAP, DRAFT_MAX_CAP, GenerationSettings, MIN_DRAFT_WINDOW, physical_cores
+
+
+class SimulatedClock:
+    """A deterministic clock: time moves only by a modelled cost per llama_decode, so that what the adaptive
+    controller decides depends on the costs given, not on how busy the machine is (tests, replays).
+
+    `cost(name, n_tokens, pos0)` → seconds for one decode of n tokens at positions pos0.. by the "target" or
+    the "draft"."""
+
+    def __init__(self, cost: Callable[[str, int, int], float]):
+        self.cost = cost
+        self.now = 0.0
+        self.n_decodes = 0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def on_decode(self, name: str, n_tokens: int, pos0: int) -> None:
+        self.now += self.cost(name, n_tokens, pos0)
+        self.n_decodes += 1
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    size_bytes: int
+    n_params: int
+    n_layer: int
+    n_vocab: int
+
+
+class Engine:
+    """Loads a target (and optionally a draft) and creates contexts for them."""
+
+    def __init__(self, target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
+                 ctx: int = 4096, threads: int | None = None, ngl: int = 0, ngl_draft: int = 0,
+                 n_batch: int = 512, main_gpu: int = 0, tensor_split: list[float] | None = None,
+                 draft_tensor_split: list[float] | None = None, devices: list[str] | None = None,
+                 draft_devices: list[str] | None = None, draft_ctx: int | str | None = "auto",
+                 draft_threads: int | None = None, draft_n_batch: int | None = None, cpu_amx: bool = False,
+                 clock: Callable[[], float] | None = None, rollback_tokens: int = AUTO_DRAFT_CAP,
+                 flash_attn: str = "auto", draft_flash_attn: str | None = None, mtp: bool | None = False):
+        """Each model gets its own context size, batch size, threads and GPU layers (the draft's default to
+        the target's); generation stops at the smaller context, since the draft holds the same tokens.
+        `cpu_amx` lets llama.cpp use its AMX weight buffer, which crashes on some builds (native/llama/cpu.py).
+        `clock` times the steps (default time.perf_counter); a SimulatedClock makes timings deterministic.
+        `rollback_tokens`: on a recurrent/hybrid target, how many rejected tokens a verify can roll back through
+        llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it.
+        `flash_attn`/`draft_flash_attn`: on, off or auto: off for a model on the CPU alone, llama.cpp's choice
+        elsewhere (placement.choose_flash_attn: on the CPU flash attention decodes slower at long context).
+        `mtp`: True loads the target's MTP head as a drafter (a target without one is refused), None loads it
+        where the target has one (--drafter auto), False never.
+        `draft_ctx`: the draft's context; smaller than ctx, the draft sees a window of that many recent tokens
+        (after the history's first DRAFT_SINK); None or 0: the whole context; "auto": the whole context, or a
+        window of WINDOW_TRIAL tokens where a session measures that it pays (greedy, --draft-max auto)."""
+        self.window_auto = draft_ctx == "auto"
+        if self.window_auto:
+            draft_ctx = None
+        elif isinstance(draft_ctx, str):
+            raise UsageError(f"--ctx-draft must be a number or auto ({draft_ctx})")
+        for flag, v, least in (("--ctx", ctx, 16), ("--ctx-draft", draft_ctx or None, 16),
+                               ("--threads", threads, 1), ("--threads-draft", draft_threads, 1)):
+            if v is not None and v < least:
+                raise UsageError(f"{flag} must be at least {least} ({v})")
+        self.threads = threads or physical_cores()
+        self.draft_threads = draft_threads or self.threads
+        draft_flash_attn = self.draft_flash_attn = choose_flash_attn(draft_flash_attn or flash_attn, ngl_draft,
+                                                                     draft_devices or devices)
+        flash_attn = choose_flash_attn(flash_attn, ngl, devices)
+        self.target = _ffi.Model(target, n_gpu_layers=ngl, main_gpu=main_gpu, tensor_split=tensor_split,
+                                 devices=devices, cpu_amx=cpu_amx, load_mtp=mtp is not False)
+        self.draft = None
+        self.mtp_ctx = None
+        try:
+            if mtp is True and self.target.n_layer_nextn < 1:
+                raise ModelFileError(f"the target has no MTP layers ({self.target.path}); use --drafter model or "
+                                     "ngram, or a target converted with its MTP head")
+            if draft is not None:
+                self.draft = _ffi.Model(draft, n_gpu_layers=ngl_draft, main_gpu=main_gpu,
+                                        tensor_split=draft_tensor_split, devices=draft_devices, cpu_amx=cpu_amx)
+                check_compatible(VocabInfo.of(self.target), VocabInfo.of(self.draft))
+            # A verify batch [last, d1..dn] must be one decode with logits at every row: never split it.
+            self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=max(n_batch, DRAFT_MAX_CAP + 1),
+                                        n_outputs_max=DRAFT_MAX_CAP + 1, name="target",
+                                        n_rs_seq=rollback_tokens if self.target.is_recurrent_or_hybrid else 0,
+                                        flash_attn=flash_attn)
+            self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,  # None or 0: all of it
+                                         n_batch=draft_n_batch or n_batch, n_outputs_max=AGREE_TOKENS, name="draft",
+                                         flash_attn=draft_flash_attn)
+                            if self.draft is not None else None)
+            if mtp is not False and self.target.n_layer_nextn > 0:
+                self.mtp_ctx = _ffi.MtpContext(self.target, ctx, self.threads, n_batch=n_batch)
+            for c in (self.tgt_ctx, self.dft_ctx):
+                if c is not None:
+                    c.warm_up()
+        except BaseException:
+            self.close()
+            raise
+        # A draft context smaller than the target's is a window: the draft sees only the most recent tokens
+        # (at long context its attention then costs what it does at short context), the target all of them.
+        self.draft_window = None
+        if self.dft_ctx is not None and self.dft_ctx.n_ctx < self.tgt_ctx.n_ctx:
+            if self.dft_ctx.n_ctx < MIN_DRAFT_WINDOW:
+                self.close()
+                raise UsageError(f"--ctx-draft below --ctx makes the draft see a window of recent tokens, at least "
+                                 f"{MIN_DRAFT_WINDOW} ({self.dft_ctx.n_ctx})")
+            self.draft_window = self.dft_ctx.n_ctx
+        if self.draft_window is not None or self.draft is None or self.draft.is_recurrent_or_hybrid:
+            self.window_auto = False  # a fixed window, no draft model, or a memory that cannot drop a tail
+        self.n_ctx = self.tgt_ctx.n_ctx
+        self.clock = clock or time.perf_counter
+        if isinstance(clock, SimulatedClock):
+            for c in (self.tgt_ctx, self.dft_ctx, self.mtp_ctx):
+                if c is not None:
+                    c.on_decode = clock.on_decode
+
+    def check_drafters(self, s: GenerationSettings) -> None:
+        """Refuse drafters this engine cannot run: a model without a draft, an MTP head the target lacks."""
+        names = s.drafters
+        if "mtp" in names and self.mtp_ctx is None:
+            if self.target.n_layer_nextn < 1:
+                raise ModelFileError(f"the target has no MTP layers ({self.target.path}); use --drafter model or "
+                                     "ngram, or a target converted with its MTP head")
+            raise UsageError("--drafter mtp needs the engine loaded with its MTP head (Engine(..., mtp=True))")
+        if "model" in names and self.draft is None:
+            raise UsageError("speculative decoding needs a draft model; pass --draft (or --drafter ngram or mtp)")
+
+    def info(self, which: str = "target") -> ModelInfo:
+        m = self.target if which == "target" else self.draft
+        return ModelInfo(str(m.path), m.size_bytes, m.n_params, m.n_layer, m.n_vocab)
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.target.tokenize(text, add_special=add_special, parse_special=True)
+
+    def session(self) -> "Session":
+        return Session(self)
+
+    def close(self) -> None:
+        for name in ("mtp_ctx", "dft_ctx", "tgt_ctx"):
+            c = getattr(self, name, None)
+            if c is not None:
+                c.close()
+        for m in (getattr(self, "draft", None), getattr(self, "target", None)):
+            if m is not None:
+                m.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,114 @@
+"""One model's memory: the tokens its llama.cpp context holds, and the one way to roll it back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..llama import ffi as _ffi
+
+
+@dataclass
+class Memory:
+    """One model's context and exactly the tokens its memory holds (positions 0..len-1)."""
+
+    ctx: _ffi.Context
+    tokens: list[int] = field(default_factory=list)  # history[:sink] + history[offset:], at positions 0..
+    offset: int = 0  # a draft's window: where in the history the recent tokens it holds begin
+    sink: int = 0  # a window also keeps the history's first tokens (attention sinks), this many
+    checkpoint: tuple[int, bytes] | None = None  # (n_tokens, state) for memories without partial removal
+    partial_rm: bool = True
+    n_restores: int = 0  # checkpoint restores; on a sliding-window memory, re-evaluations (cells gone)
+    n_rollbacks: int = 0  # tails removed through n_rs_seq snapshots, or from a sliding window that has slid
+
+    def _can_roll_back(self, n: int, held: int) -> bool:
+        """Whether seq_rm may drop positions n.. of a recurrent memory: the snapshots cover only the tail of the
+        last decode, at most n_rs_seq tokens (past that llama.cpp's seq_rm may report success and be wrong)."""
+        return 0 < held - n <= self.ctx.n_rs_seq and n >= self.ctx.last_decode_pos0
+
+    def truncate(self, n: int) -> None:
+        """Make the memory hold exactly tokens[:n], whatever an interrupted call left in it.
+
+        The memory is the source of truth: `extend` records tokens before decoding them, so after an
+        exception anywhere the list may claim more than the memory holds (never the reverse), and
+        positions past the list are removed whatever the list says."""
+        held = self.ctx.pos_max() + 1
+        if held < len(self.tokens):  # a decode that did not complete: its tokens are not in the memory
+            del self.tokens[held:]
+        n = min(n, len(self.tokens))
+        if held <= n:
+            return
+        if self.partial_rm and not self.ctx.window_intact(n):
+            # A sliding-window cache already reused the cells that position n attends to: evaluate again.
+            keep = self.tokens[:n]
+            self.ctx.clear()  # (the draft window's offset stays: the same tokens at the same positions)
+            self.tokens.clear()
+            self.n_restores += 1
+            self.extend(keep, logits="none")
+            return
+        if self.partial_rm and self.ctx.seq_rm(n, -1):
+            del self.tokens[n:]
+            if self.ctx.n_swa and self.ctx.pos_min() > 0:  # the window had slid: count what relied on it
+                self.n_rollbacks += 1
+            return
+        if not self.partial_rm and self._can_roll_back(n, held) and self.ctx.seq_rm(n, -1):
+            del self.tokens[n:]
+            self.n_rollbacks += 1
+            return
+        # Recurrent/hybrid memory: go back to the checkpoint, then re-evaluate up to n.
+        keep = self.tokens[:n]
+        if self.checkpoint is None or self.checkpoint[0] > n:
+            self.ctx.clear()
+            base = 0
+        else:
+            base, state = self.checkpoint
+            self.ctx.state_set(state)
+            self.ctx.seq_rm(base, -1)  # hybrid: the attention part still holds the later positions
+            self.n_restores += 1
+        del self.tokens[base:]
+        self.extend(keep[base:], logits="none")
+
+    def save_checkpoint(self, n_next: int | None = None) -> None:
+        """Save the state before decoding `n_next` more tokens (None: several decodes) that may be rolled back;
+        not needed where the snapshots can roll the whole next decode back but its first token."""
+        if self.partial_rm:
+            return
+        if n_next is not None and n_next - 1 <= self.ctx.n_rs_seq:
+            return
+        self.checkpoint = (len(self.tokens), self.ctx.state_get())
+
+    def extend(self, new: list[int], logits: str) -> None:
+        n0 = len(self.tokens)
+        self.tokens.extend(new)  # recorded first: an interruption leaves the list ahead of the memory
+        self.ctx.decode(new, n0, logits=logits)
+
+    def adopt(self, state: bytes, tokens: list[int], offset: int, sink: int) -> None:
+        """Hold what another context of the same model holds (its memory, `state`): a window's tokens."""
+        self.clear()
+        self.ctx.state_set(state, partial=False)
+        self.tokens[:] = tokens
+        self.offset, self.sink = offset, sink
+
+    def view(self, history: list[int]) -> list[int]:
+        """The tokens of `history` this memory is meant to hold (a window: the sinks, then the recent ones)."""
+        return history[:self.sink] + history[self.offset:] if self.offset else history
+
+    def next_index(self) -> int:
+        """The history index of the next token to evaluate."""
+        return self.offset + len(self.tokens) - self.sink
+
+    def clear(self) -> None:
+        self.offset = 0
+        self.sink = 0
+        self.tokens.clear()
+        self.checkpoint = None
+        self.ctx.clear()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i

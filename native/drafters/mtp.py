@@ -1,0 +1,131 @@
+"""The target's own multi-token-prediction (NextN/MTP) head as a drafter (llama.cpp's MTP context type).
+
+The head's position k is fed the token t_k and the trunk's last hidden state h_{k-1} (normed, the row that
+predicted t_k); its output at k predicts t_{k+1}. Its KV cache holds positions 0..m-1 paired that way with
+committed tokens only. Drafting a step after history t_0..t_{n-1}: one decode of the entries still missing up to
+(t_{n-1}, h_{n-2}) gives d1; each further position takes the drafted token and the head's own output hidden state
+(no trunk state exists for an unverified token), and is removed once the step has drafted. The trunk's rows come
+from every target decode (`on_hidden`); they are kept only until the head has consumed them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..llama import ffi as _ffi
+
+FLUSH_ROWS = 256  # rows kept before the head catches up on committed positions (bounds memory on long prompts)
+
+
+class HiddenRows:
+    """The trunk's hidden states of consecutive positions p0.. (a later decode at a position replaces it and
+    everything after it: those rows belonged to tokens that are no longer there)."""
+
+    def __init__(self, n_embd: int):
+        self.p0 = 0
+        self.rows = np.zeros((0, n_embd), np.float32)
+
+    @property
+    def end(self) -> int:
+        return self.p0 + len(self.rows)
+
+    def put(self, pos: int, rows: np.ndarray) -> None:
+        if pos < self.p0 or pos > self.end:  # a re-decode before the kept rows, or a gap: start again at pos
+            self.p0, keep = pos, self.rows[:0]
+        else:
+            keep = self.rows[:pos - self.p0]
+        self.rows = np.concatenate([keep, rows]).astype(np.float32, copy=False)
+
+    def has(self, a: int, b: int) -> bool:
+        """Whether rows for positions a..b-1 are all held."""
+        return b <= a or (self.p0 <= a and b <= self.end)
+
+    def take(self, a: int, b: int) -> np.ndarray:
+        return self.rows[a - self.p0:b - self.p0]
+
+    def drop_before(self, p: int) -> None:
+        if p > self.p0:
+            cut = min(p, self.end)
+            self.rows = self.rows[cut - self.p0:]
+            self.p0 = cut
+
+
+class MtpDrafter:
+    """One session's use of the engine's MTP context: the head's cache of committed positions and the trunk rows
+    it still needs. `history` is the session's committed token list (read, never changed here)."""
+
+    def __init__(self, ctx: _ffi.MtpContext, history: list[int]):
+        self.ctx = ctx
+        self.history = history
+        self.tokens: list[int] = []  # t_0..t_{m-1}: what the head's memory holds, each paired with h_{k-1}
+        self.rows = HiddenRows(ctx.n_embd)
+        self.n_redecodes = 0  # target re-decodes forced by missing trunk rows (after a rollback)
+
+    def clear(self) -> None:
+        self.tokens.clear()
+        self.ctx.clear()
+        self.rows = HiddenRows(self.ctx.n_embd)
+
+    def on_hidden(self, pos0: int, rows: np.ndarray) -> None:
+        """The target decoded positions pos0..; keep their rows, and let the head catch up on committed positions
+        when many are waiting (a long prompt)."""
+        self.rows.put(pos0, rows)
+        if len(self.rows.rows) > FLUSH_ROWS:
+            upto = min(self.rows.end, len(self.history))
+            if upto > len(self.tokens) and self.rows.has(max(len(self.tokens) - 1, 0), upto - 1):
+                self._extend(upto, logits=False)
+
+    def _pairs(self, upto: int) -> tuple[list[int], np.ndarray]:
+        """The tokens and trunk rows of head positions m..upto-1: token t_k with h_{k-1} (zeros before t_0)."""
+        m = len(self.tokens)
+        toks = self.history[m:upto]
+        if m == 0:
+            rows = np.concatenate([np.zeros((1, self.ctx.n_embd), np.float32), self.rows.take(0, upto - 1)])
+        else:
+            rows = self.rows.take(m - 1, upto - 1)
+        return toks, rows
+
+    def _extend(self, upto: int, logits: bool) -> None:
+        toks, rows = self._pairs(upto)
+        m = len(self.tokens)
+        self.tokens.extend(toks)  # recorded first: an interruption leaves the list ahead of the memory
+        self.ctx.decode(toks, m, rows, logits_last=logits)
+        self.rows.drop_before(upto - 1)  # h_{upto-1} pairs with the next committed token
+
+    def truncate(self, n: int) -> None:
+        """Make the head's memory hold exactly tokens[:n] (the memory is the source of truth, as in _Cache)."""
+        held = self.ctx.pos_max() + 1
+        if held < len(self.tokens):
+            del self.tokens[held:]
+        n = min(n, len(self.tokens))
+        if held > n:
+            self.ctx.seq_rm(n, -1)
+            del self.tokens[n:]
+
+    def missing_from(self) -> int | None:
+        """Before a draft: the first target position whose trunk row the head needs and no longer has (rows are
+        dropped once consumed, so this happens only after the history was rolled back); None: all there."""
+        n = len(self.history)
+        if len(self.tokens) >= n:  # t_{n-1}'s output is needed again: decode that position once more
+            self.truncate(n - 1)
+        a = max(len(self.tokens) - 1, 0)
+        return None if self.rows.has(a, n - 1) else a
+
+    def catch_up(self, upto: int) -> None:
+        """Decode the committed positions still missing below `upto`, without output."""
+        if upto > len(self.tokens):
+            self._extend(upto, logits=False)
+
+    def begin(self) -> None:
+        """Decode the positions still missing up to (t_{n-1}, h_{n-2}); its output proposes d1."""
+        self._extend(len(self.history), logits=True)
+
+    def advance(self, token: int, i: int) -> None:
+        """Feed drafted token d_i (i from 1) at its position with the head's own output state: no trunk state
+        exists for an unverified token."""
+        h = self.ctx.hidden()
+        self.ctx.decode([token], len(self.history) - 1 + i, h[None, :], logits_last=True)
+
+    def end(self) -> None:
+        """Remove the drafted positions (they carry the head's own state; the verify brings the trunk's)."""
+        self.truncate(len(self.history))

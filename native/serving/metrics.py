@@ -1,0 +1,74 @@
+"""`specq serve`'s Prometheus metrics, with llama-server's names where it has one, so its dashboards work."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .api import Outcome
+
+
+class ServerMetrics:
+    """One registry per server (never the process-global one, so tests can start several)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        disable_created_metrics()  # the `_created` twin of every counter is noise for a single-process server
+        r = self.registry = CollectorRegistry()
+        # llama-server's names (tools/server/server.cpp) and its speculative-decoding counters
+        self.prompt_tokens = Counter("llamacpp:prompt_tokens", "Number of prompt tokens processed.", registry=r)
+        self.prompt_seconds = Counter("llamacpp:prompt_seconds", "Prompt process time.", registry=r)
+        self.tokens_predicted = Counter("llamacpp:tokens_predicted", "Number of generation tokens processed.",
+                                        registry=r)
+        self.predicted_seconds = Counter("llamacpp:tokens_predicted_seconds", "Predict process time.", registry=r)
+        self.predicted_tps = Gauge("llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+                                   registry=r)
+        self.processing = Gauge("llamacpp:requests_processing", "Number of requests processing.", registry=r)
+        self.deferred = Gauge("llamacpp:requests_deferred", "Number of requests deferred (the queue depth).",
+                              registry=r)
+        self.draft_tokens = Counter("llamacpp:spec_decode_num_draft_tokens", "Draft tokens verified by the target.",
+                                    registry=r)
+        self.accepted_tokens = Counter("llamacpp:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                       registry=r)
+        self.drafts = Counter("llamacpp:spec_decode_num_drafts", "Steps that verified a draft.", registry=r)
+        self.accepted_per_pos = Counter("llamacpp:spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each position of a draft (0 = the first).",
+                                        ["position"], registry=r)
+        # specq's own
+        self.requests = Counter("specq:requests", "Requests answered, by endpoint and HTTP status.",
+                                ["endpoint", "status"], registry=r)
+        self.cancelled = Counter("specq:requests_cancelled", "Generations stopped because the client went away.",
+                                 registry=r)
+        self.rejected = Counter("specq:requests_rejected", "Requests refused with 503 because the queue was full.",
+                                registry=r)
+        self.prefix_reused = Counter("specq:prompt_tokens_reused",
+                                     "Prompt tokens whose cache entries were kept from the previous request.",
+                                     registry=r)
+        self._gen_tokens = 0
+        self._gen_seconds = 0.0
+
+    def observe(self, o: Outcome) -> None:
+        """Count one finished (or cancelled) generation."""
+        self.prompt_tokens.inc(o.n_prompt)
+        self.prefix_reused.inc(o.n_reused)
+        st = o.stats
+        if st is None:
+            return
+        self.prompt_seconds.inc(st.prompt_ms / 1e3)
+        self.tokens_predicted.inc(st.n_generated)
+        self.predicted_seconds.inc(st.gen_ms / 1e3)
+        self._gen_tokens += st.n_generated
+        self._gen_seconds += st.gen_ms / 1e3
+        if self._gen_seconds > 0:
+            self.predicted_tps.set(self._gen_tokens / self._gen_seconds)
+        if st.speculative:
+            self.draft_tokens.inc(st.n_drafted)
+            self.accepted_tokens.inc(st.n_accepted)
+            self.drafts.inc(sum(n for k, n in st.steps_by_k if k > 0))
+            for pos, n in enumerate(st.accepted_per_pos):
+                if n:
+                    self.accepted_per_pos.labels(position=str(pos)).inc(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
