@@ -79,7 +79,8 @@ def prompt_tokens(eng: Engine, cfg: BenchConfig) -> list[list[int]]:
     target's chat template to each as a single user turn."""
     if not cfg.chat:
         return [eng.tokenize(p) for p in cfg.prompts]
-    from .chat import ChatSession, load_template
+    from ..serving.template import load_template
+    from .chat import ChatSession
 
     template = load_template(None, eng.target.chat_template(), cfg.target)
     return [ChatSession(eng, template).plan_turn(p)[1] for p in cfg.prompts]

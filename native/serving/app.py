@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from ...errors import SpecqError, UsageError
-from ..commands.chat import TemplateFormatter, load_template
 from ..core.engine import Engine
 from ..core.settings import GenerationSettings
 from .api import (ApiError, ApiRequest, Limits, ResponseIds, chunk, full_response, parse_json, parse_request,
                   settings_for, sse, usage_chunk)
+from .template import TemplateFormatter, load_template
 from .worker import Job, Worker
 
 log = logging.getLogger("specq.serve")
