@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 
 from ... import __version__
 from ...errors import ContextFullError, UsageError, check_text
+from ..core.config import EngineConfig
 from ..core.engine import Engine
 from ..core.settings import GenerationSettings
 from ..core.stats import GenerationStats, Rates, TokenEvent
@@ -330,13 +331,12 @@ def write_json_atomic(path: Path, doc: dict) -> Path:
     return path
 
 
-def open_chat(target: str, draft: str | None, *, template: str | None, settings: GenerationSettings,
-              system: str | None, ctx: int, threads: int | None, ngl: int, ngl_draft: int,
-              engine_factory: Callable[..., Engine] = Engine, **engine_options) -> ChatSession:
+def open_chat(engine: EngineConfig, *, template: str | None, settings: GenerationSettings, system: str | None,
+              engine_factory: Callable[..., Engine] = Engine) -> ChatSession:
     """Load the models and start a conversation (closing the engine if the template is unusable)."""
-    eng = engine_factory(target, draft, ctx=ctx, threads=threads, ngl=ngl, ngl_draft=ngl_draft, **engine_options)
+    eng = engine.open(factory=engine_factory)
     try:
-        tpl = load_template(template, eng.target.chat_template(), str(target))
+        tpl = load_template(template, eng.target.chat_template(), engine.target)
         return ChatSession(eng, tpl, settings, system)
     except BaseException:
         eng.close()

@@ -28,14 +28,6 @@ class Placement:
     draft_flash_attn: str = "auto"
     rpc: tuple[str, ...] = ()  # RPC servers whose devices were added (--rpc)
 
-    def engine_options(self) -> dict:
-        """Engine keyword arguments beyond ngl/ngl_draft (lists where it takes lists; [] is no device: the CPU)."""
-        return {"main_gpu": self.main_gpu,
-                "tensor_split": list(self.tensor_split) if self.tensor_split else None,
-                "draft_tensor_split": list(self.draft_tensor_split) if self.draft_tensor_split else None,
-                "devices": list(self.devices) if self.devices is not None else None,
-                "draft_devices": list(self.draft_devices) if self.draft_devices is not None else None,
-                "cpu_amx": self.cpu_amx, "flash_attn": self.flash_attn, "draft_flash_attn": self.draft_flash_attn}
 
 
 def default_ngl() -> int:
