@@ -15,8 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import UsageError, check_text
-from ..native.commands.bench import DEFAULT_PROMPT, BenchConfig, load_prompt_set, run_bench, write_csv
+from ..errors import UsageError
+from ..native.commands.bench import BenchConfig, load_prompt_set, read_prompts, run_bench, write_csv
 from ..native.commands.bench_plot import check_plot_available, plot_sweep
 from ..native.core.settings import GenerationSettings
 from ..native.drafters.ngram import drafts_without_model
@@ -27,36 +27,6 @@ from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, C
                       NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, parse_draft_max, PMinOpt, Quiet, resolve_pair,
                       SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt, TensorSplitOpt,
                       ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
-
-
-def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[str, ...]:
-    """--prompt (repeatable) or --prompt-file (whole file; .jsonl: one {"prompt": ...} per line)."""
-    if prompts and prompt_file:
-        raise UsageError("give --prompt or --prompt-file, not both")
-    if prompt_file is None:
-        return tuple(check_text(p, "--prompt") for p in prompts) if prompts else (DEFAULT_PROMPT,)
-    if not prompt_file.is_file():
-        raise UsageError(f"prompt file not found ({prompt_file}); check the path")
-    try:
-        text = prompt_file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"prompt file is not UTF-8 text ({prompt_file}: byte {e.start}); pass a text file")
-    if prompt_file.suffix != ".jsonl":
-        return (text,)  # decoded strictly above: no lone surrogate
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-            out.append(obj["prompt"])
-        except (ValueError, KeyError, TypeError):
-            raise UsageError(f'{prompt_file}:{n} is not a {{"prompt": "..."}} JSON object; fix that line')
-        if isinstance(out[-1], str):
-            check_text(out[-1], f"the prompt at {prompt_file}:{n}")
-    if not out:
-        raise UsageError(f"no prompts in {prompt_file}")
-    return tuple(out)
 
 
 def _fmt(v, spec: str = ".1f", none: str = "–") -> str:

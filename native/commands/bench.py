@@ -7,10 +7,11 @@ import logging
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
+from pathlib import Path
 from typing import Callable
 
 from ... import __version__
-from ...errors import UsageError
+from ...errors import UsageError, check_text
 from ..llama import ffi as _ffi
 from ..control.report import pool
 from ..core.config import EngineConfig
@@ -66,6 +67,36 @@ def read_prompt_set(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """A prompt set's JSONL text, one {"name", "prompt"} object per line: (names, prompts)."""
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return tuple(r["name"] for r in rows), tuple(r["prompt"] for r in rows)
+
+
+def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[str, ...]:
+    """--prompt (repeatable) or --prompt-file (whole file; .jsonl: one {"prompt": ...} per line)."""
+    if prompts and prompt_file:
+        raise UsageError("give --prompt or --prompt-file, not both")
+    if prompt_file is None:
+        return tuple(check_text(p, "--prompt") for p in prompts) if prompts else (DEFAULT_PROMPT,)
+    if not prompt_file.is_file():
+        raise UsageError(f"prompt file not found ({prompt_file}); check the path")
+    try:
+        text = prompt_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"prompt file is not UTF-8 text ({prompt_file}: byte {e.start}); pass a text file")
+    if prompt_file.suffix != ".jsonl":
+        return (text,)  # decoded strictly above: no lone surrogate
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            out.append(obj["prompt"])
+        except (ValueError, KeyError, TypeError):
+            raise UsageError(f'{prompt_file}:{n} is not a {{"prompt": "..."}} JSON object; fix that line')
+        if isinstance(out[-1], str):
+            check_text(out[-1], f"the prompt at {prompt_file}:{n}")
+    if not out:
+        raise UsageError(f"no prompts in {prompt_file}")
+    return tuple(out)
 
 
 def prompt_tokens(eng: Engine, cfg: BenchConfig) -> list[list[int]]:
