@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .atomic import atomic_output
 from .errors import ManifestError
-from .convert.writer import atomic_output
 
 log = logging.getLogger("specq.convert")
 

@@ -28,6 +28,8 @@ import numpy as np
 from specq.native.llama import ffi as _ffi
 from specq.native.commands.bench import BenchConfig, load_prompt_set, read_prompt_set, run_bench
 from specq.native.commands.demo import cache_dir, demo_pair
+from specq.native.commands.placement import default_ngl
+from specq.native.core.config import EngineConfig
 from specq.native.core.settings import GenerationSettings
 
 
@@ -83,8 +85,9 @@ def load_prompts(path: str | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def run_pair(name: str, target: Path, draft: Path, sweep: list, n_predict: int, repeat: int,
              threads: int | None, prompt_file: str | None = None) -> dict:
     names, prompts = load_prompts(prompt_file)
-    cfg = BenchConfig(target=str(target), draft=str(draft), prompts=prompts, prompt_names=names, chat=True,
-                      settings=GenerationSettings(n_predict=n_predict), threads=threads, repeat=repeat,
+    engine = EngineConfig(str(target), str(draft), threads=threads, ngl=default_ngl(), ngl_draft=default_ngl())
+    cfg = BenchConfig(engine=engine, prompts=prompts, prompt_names=names, chat=True,
+                      settings=GenerationSettings(n_predict=n_predict), repeat=repeat,
                       sweep=tuple((k, 0.0) for k in sweep))
 
     def progress(run: dict) -> None:

@@ -25,6 +25,8 @@ from adaptive import file_names_only, first_layers, machine
 from deep_pair import deep_pair
 from specq.native.commands.bench import BenchConfig, load_prompt_set, run_bench
 from specq.native.commands.demo import cache_dir, demo_pair
+from specq.native.commands.placement import default_ngl
+from specq.native.core.config import EngineConfig
 from specq.native.core.settings import GenerationSettings
 
 POINTS = (2, 4, 8, "auto")
@@ -43,9 +45,10 @@ def pairs() -> dict:
 def run_pair(name: str, target: Path, draft: Path, n_predict: int, repeat: int, threads: int | None) -> dict:
     names, texts = load_prompt_set("default")
     chosen = [i for i, n in enumerate(names) if n in PROMPTS]
-    cfg = BenchConfig(target=str(target), draft=str(draft), prompts=tuple(texts[i] for i in chosen),
+    engine = EngineConfig(str(target), str(draft), threads=threads, ngl=default_ngl(), ngl_draft=default_ngl())
+    cfg = BenchConfig(engine=engine, prompts=tuple(texts[i] for i in chosen),
                       prompt_names=tuple(names[i] for i in chosen), chat=True,
-                      settings=GenerationSettings(n_predict=n_predict), threads=threads, repeat=repeat,
+                      settings=GenerationSettings(n_predict=n_predict), repeat=repeat,
                       sweep=tuple((k, 0.0) for k in POINTS))
 
     def progress(run: dict) -> None:

@@ -32,6 +32,7 @@ from specq.native.llama import ffi as _ffi
 from specq.native.commands import placement
 from specq.native.commands.bench import load_prompt_set, prompt_tokens, read_prompt_set, run_record, BenchConfig
 from specq.native.commands.demo import demo_pair
+from specq.native.core.config import EngineConfig
 from specq.native.core.engine import Engine
 from specq.native.core.settings import GenerationSettings
 
@@ -64,7 +65,7 @@ def run_set(eng: Engine, set_name: str, modes: list[str], a) -> dict:
     names, prompts = load_set(set_name)
     if a.limit_prompts:
         names, prompts = names[:a.limit_prompts], prompts[:a.limit_prompts]
-    cfg = BenchConfig(target=str(eng.target.path), draft=None, prompts=prompts, chat=True)
+    cfg = BenchConfig(engine=EngineConfig(str(eng.target.path)), prompts=prompts, chat=True)
     toks = prompt_tokens(eng, cfg)
     draft_max = a.draft_max if a.draft_max == "auto" else int(a.draft_max)
     sessions = {m: eng.session() for m in modes}

@@ -15,49 +15,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from ..errors import UsageError, check_text
-from ..native.commands.bench import DEFAULT_PROMPT, BenchConfig, load_prompt_set, run_bench, write_csv
+from ..errors import UsageError
+from ..native.commands.bench import BenchConfig, load_prompt_set, read_prompts, run_bench, write_csv
 from ..native.commands.bench_plot import check_plot_available, plot_sweep
 from ..native.core.settings import GenerationSettings
 from ..native.drafters.ngram import drafts_without_model
-from ..native.commands.placement import resolve_placement
 from .checks import check_output_path, pair_warning
-from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, parse_ctx_draft, CtxOpt, DeviceOpt,
-                      DraftDeviceOpt, DrafterOpt, DraftMaxOpt, draft_for_drafters, drafter_engine_options,
+from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, CtxOpt, DeviceOpt,
+                      DraftDeviceOpt, DrafterOpt, DraftMaxOpt, draft_for_drafters, engine_config,
                       DraftMinOpt, DraftOpt, err, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
                       NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, parse_draft_max, PMinOpt, Quiet, resolve_pair,
                       SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt, TensorSplitOpt,
                       ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
-
-
-def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[str, ...]:
-    """--prompt (repeatable) or --prompt-file (whole file; .jsonl: one {"prompt": ...} per line)."""
-    if prompts and prompt_file:
-        raise UsageError("give --prompt or --prompt-file, not both")
-    if prompt_file is None:
-        return tuple(check_text(p, "--prompt") for p in prompts) if prompts else (DEFAULT_PROMPT,)
-    if not prompt_file.is_file():
-        raise UsageError(f"prompt file not found ({prompt_file}); check the path")
-    try:
-        text = prompt_file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"prompt file is not UTF-8 text ({prompt_file}: byte {e.start}); pass a text file")
-    if prompt_file.suffix != ".jsonl":
-        return (text,)  # decoded strictly above: no lone surrogate
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-            out.append(obj["prompt"])
-        except (ValueError, KeyError, TypeError):
-            raise UsageError(f'{prompt_file}:{n} is not a {{"prompt": "..."}} JSON object; fix that line')
-        if isinstance(out[-1], str):
-            check_text(out[-1], f"the prompt at {prompt_file}:{n}")
-    if not out:
-        raise UsageError(f"no prompts in {prompt_file}")
-    return tuple(out)
 
 
 def _fmt(v, spec: str = ".1f", none: str = "–") -> str:
@@ -306,23 +275,19 @@ def main(
     if sweep and not drafts:
         raise UsageError("a sweep needs a --draft (or --drafter ngram): there is nothing to sweep without one")
     draft = draft_for_drafters(settings, draft)
-    placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
-                                  vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
-                                  device=device, draft_device=draft_device, cpu_amx=cpu_amx,
-                                  flash_attn=flash_attn, rpc=rpc)
-    ctx_draft = parse_ctx_draft(ctx_draft)
-    cfg = BenchConfig(target=str(target), draft=str(draft) if draft else None, prompts=prompts, settings=settings,
-                      ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft, repeat=repeat,
+    engine = engine_config(target, draft, settings, ctx=ctx, threads=threads, ctx_draft=ctx_draft,
+                           threads_draft=threads_draft, ngl=ngl, ngl_draft=ngl_draft, vram_budget=vram_budget,
+                           main_gpu=main_gpu, tensor_split=tensor_split, device=device, draft_device=draft_device,
+                           cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc)
+    cfg = BenchConfig(engine=engine, prompts=prompts, settings=settings, repeat=repeat,
                       baseline=not no_baseline, chat=chat,
-                      engine_options={**placement.engine_options(), **drafter_engine_options(settings),
-                                      "draft_ctx": ctx_draft,
-                                      "draft_threads": threads_draft},
                       extra_settings={"prompt_file": str(prompt_file) if prompt_file else None,
-                                      "vram_budget": vram_budget, "main_gpu": main_gpu, "ctx_draft": ctx_draft,
+                                      "vram_budget": vram_budget, "main_gpu": main_gpu,
+                                      "ctx_draft": engine.draft_ctx,
                                       "threads_draft": threads_draft,
                                       "tensor_split": tensor_split, "device": device, "draft_device": draft_device,
-                                      "cpu_amx": cpu_amx, "rpc": rpc, "flash_attn": placement.flash_attn,
-                                      "draft_flash_attn": placement.draft_flash_attn,
+                                      "cpu_amx": cpu_amx, "rpc": rpc, "flash_attn": engine.flash_attn,
+                                      "draft_flash_attn": engine.draft_flash_attn,
                                       "prompt_set": prompt_set, "sweep_draft_max": ks if sweep_draft_max else None,
                                       "sweep_p_min": pmins if sweep_p_min else None},
                       sweep=sweep, prompt_names=names)

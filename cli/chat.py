@@ -19,9 +19,8 @@ from rich.text import Text
 from ..errors import ContextFullError, UsageError
 from ..native.commands.chat import (HELP, AnswerProgress, ChatSession, Command, ConversationFullError, apply_setting,
                                     open_chat, panel_data, parse_command)
-from ..native.commands.placement import resolve_placement
-from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, parse_ctx_draft, CtxOpt, DeviceOpt,
-                      DraftDeviceOpt, DrafterOpt, DraftMaxOpt, draft_for_drafters, drafter_engine_options,
+from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, CtxOpt, DeviceOpt,
+                      DraftDeviceOpt, DrafterOpt, DraftMaxOpt, draft_for_drafters, engine_config,
                       DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt,
                       NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, SeedOpt, settings_from_flags,
                       setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt,
@@ -284,14 +283,11 @@ def main(
     target, draft = models_or_demo(target, draft)
     draft = draft_for_drafters(settings, draft)
     warn(pair_warning(target, draft), quiet)
-    placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
-                                  vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
-                                  device=device, draft_device=draft_device, cpu_amx=cpu_amx,
-                                  flash_attn=flash_attn, rpc=rpc)
-    chat = open_chat(str(target), str(draft) if draft else None, template=template, settings=settings,
-                     system=system, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
-                     draft_ctx=parse_ctx_draft(ctx_draft), draft_threads=threads_draft, **placement.engine_options(),
-                     **drafter_engine_options(settings))
+    engine = engine_config(target, draft, settings, ctx=ctx, threads=threads, ctx_draft=ctx_draft,
+                           threads_draft=threads_draft, ngl=ngl, ngl_draft=ngl_draft, vram_budget=vram_budget,
+                           main_gpu=main_gpu, tensor_split=tensor_split, device=device, draft_device=draft_device,
+                           cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc)
+    chat = open_chat(engine, template=template, settings=settings, system=system)
     final = None
     # Undecodable input bytes arrive as lone surrogates, which ChatSession.ask refuses with one line per turn.
     with contextlib.suppress(AttributeError, ValueError):

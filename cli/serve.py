@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import UsageError
-from ._common import (RpcOpt, AcceptOpt, CtxDraftOpt, parse_ctx_draft, CtxOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt,
-                      DraftDeviceOpt, DrafterOpt, DraftMaxOpt, draft_for_drafters, drafter_engine_options,
+from ._common import (RpcOpt, AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt,
+                      DraftDeviceOpt, DrafterOpt, DraftMaxOpt, draft_for_drafters, engine_config,
                       DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt,
                       NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, settings_from_flags,
                       setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt,
@@ -98,7 +98,6 @@ def main(
     verbose: Verbose = False,
     quiet: Quiet = False,
 ) -> None:
-    from ..native.commands.placement import resolve_placement
     from ..native.serving.app import ServeConfig, bind_socket, open_server, require_serve_extra
 
     setup_logging(verbose, quiet)
@@ -118,14 +117,11 @@ def main(
         print(warning, file=sys.stderr, flush=True)
     sock = bind_socket(host, port)
     try:
-        placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl,
-                                      ngl_draft=ngl_draft, vram_budget=vram_budget, main_gpu=main_gpu,
-                                      tensor_split=tensor_split, device=device, draft_device=draft_device,
-                                      cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc)
-        server = open_server(str(target), str(draft) if draft else None, template=template, defaults=defaults,
-                             cfg=cfg, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
-                             draft_ctx=parse_ctx_draft(ctx_draft), draft_threads=threads_draft, **placement.engine_options(),
-                             **drafter_engine_options(defaults))
+        engine = engine_config(target, draft, defaults, ctx=ctx, threads=threads, ctx_draft=ctx_draft,
+                               threads_draft=threads_draft, ngl=ngl, ngl_draft=ngl_draft, vram_budget=vram_budget,
+                               main_gpu=main_gpu, tensor_split=tensor_split, device=device,
+                               draft_device=draft_device, cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc)
+        server = open_server(engine, template=template, defaults=defaults, cfg=cfg)
         try:
             _route_server_logs(verbose)
             ready = (f"specq serve: {server.state.limits.model_id}"

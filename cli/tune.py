@@ -12,12 +12,10 @@ from rich.table import Table
 
 from ..errors import UsageError
 from ..native.core.settings import DRAFT_MAX_CAP
-from ..native.core.engine import Engine
 from ..native.commands.tune import DEFAULT_PROMPTS, TuneResult, calibrate, write_tuned
-from ..native.commands.placement import resolve_placement
 from ..native.core.settings import GenerationSettings
 from ._common import (RpcOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftOpt,
-                      draft_for_drafters, drafter_engine_options, err, handle_errors, MainGpuOpt, models_or_demo,
+                      draft_for_drafters, engine_config, err, handle_errors, MainGpuOpt, models_or_demo,
                       NglDraftOpt, NglOpt, out, PairOpt, Quiet, resolve_pair, setup_logging, TargetOpt,
                       TensorSplitOpt, ThreadsOpt, Verbose, VramBudgetOpt, warn)
 from .checks import check_finite, check_output_path, pair_warning
@@ -92,12 +90,10 @@ def main(
     if draft is None and settings.drafters == ("model",):
         raise UsageError("tune needs a draft model; pass --draft (or a --pair with a draft, or --drafter ngram/mtp)")
     draft = draft_for_drafters(settings, draft)
-    placement = resolve_placement(str(target), str(draft) if draft else None, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft,
-                                  vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split,
-                                  device=device, draft_device=draft_device, cpu_amx=cpu_amx,
-                                  flash_attn=flash_attn, rpc=rpc)
-    with Engine(target, draft, ctx=ctx, threads=threads, ngl=placement.ngl, ngl_draft=placement.ngl_draft,
-                **placement.engine_options(), **drafter_engine_options(settings)) as eng:
+    engine = engine_config(target, draft, settings, ctx=ctx, threads=threads, ngl=ngl, ngl_draft=ngl_draft,
+                           vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split, device=device,
+                           draft_device=draft_device, cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc)
+    with engine.open() as eng:
         result = calibrate(eng, DEFAULT_PROMPTS, n_predict=n_predict, draft_max=draft_max, temp=temp,
                            drafter=drafter)
     if write:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from ..atomic import atomic_output
 from ..errors import UsageError
 from ..native.llama import ffi as _ffi
 from ..native.llama.quantize_proc import quantize_in_child
-from .writer import ProgressFn, atomic_output
+from .writer import ProgressFn
 
 log = logging.getLogger("specq.convert")
 

@@ -6,9 +6,7 @@ carried as uint16 bits end to end, so a BF16 checkpoint written as BF16 is bit-e
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -16,8 +14,8 @@ from typing import Callable, Iterator
 import gguf
 import numpy as np
 
+from ..atomic import atomic_output
 from ..errors import ConversionError
-from ..native.llama import abort_guard
 from .checkpoint import MappedFiles, TensorRef
 
 log = logging.getLogger("specq.convert")
@@ -132,29 +130,6 @@ class _Stream:
 
 
 # ---- the file -----------------------------------------------------------------------------------
-def temp_path(final: Path) -> Path:
-    """A hidden name in the output directory that never ends in .gguf."""
-    return final.with_name(f".{final.name}.{os.getpid()}.part")
-
-
-@contextlib.contextmanager
-def atomic_output(final: Path) -> Iterator[Path]:
-    """Yield a temporary path; on success it is fsynced and renamed to `final`, on any failure removed."""
-    tmp = temp_path(final)
-    abort_guard.track(tmp)  # a native abort removes it too
-    try:
-        yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-    finally:
-        abort_guard.untrack(tmp)
-
-
 def write_gguf(final: Path, arch_name: str, metadata: Callable[[gguf.GGUFWriter], None], jobs: list[TensorJob],
                task: str = "write", progress: ProgressFn | None = None) -> Path:
     """Write a GGUF with the given metadata and tensors to `final`, atomically."""

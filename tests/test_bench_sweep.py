@@ -16,6 +16,7 @@ from specq.cli.bench import cost_line, histogram, parse_list, recommendation_lin
 from specq.cli.main import app
 from specq.errors import UsageError
 from specq.native.commands.bench import CSV_COLUMNS, load_prompt_set
+from specq.native.core.config import EngineConfig
 from specq.native.core.stats import GenerationStats
 from specq.native.core.engine import ModelInfo
 
@@ -127,7 +128,7 @@ def test_sweep_document_with_fake_engine(fake, tmp_path):
 
 
 def test_report_fits_80_columns(fake):
-    cfg = bench_lib.BenchConfig(target="t", draft="d", prompts=("a",), sweep=((1, 0.0), (4, 0.5)),
+    cfg = bench_lib.BenchConfig(engine=EngineConfig("t", "d"), prompts=("a",), sweep=((1, 0.0), (4, 0.5)),
                                 prompt_names=("code",), repeat=2)
     doc = bench_lib.run_bench(cfg)
     c = Console(width=80, record=True, color_system=None)

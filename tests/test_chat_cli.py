@@ -101,7 +101,7 @@ class FakeEngine:
 def fake(monkeypatch):
     eng = FakeEngine(["Hello there!\nSecond line.", "Fine, thanks."])
 
-    def open_chat(target, draft, *, template, settings, system, ctx, threads, ngl, ngl_draft, **engine_options):
+    def open_chat(engine, *, template, settings, system):
         return ChatSession(eng, template or eng.target.chat_template(), settings, system)
 
     monkeypatch.setattr(chat_cli, "open_chat", open_chat)

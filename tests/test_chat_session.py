@@ -8,10 +8,11 @@ import pytest
 
 from specq.errors import ContextFullError, SpecqError, UsageError
 from specq.native.commands.chat import (AnswerProgress, ChatSession, Command, RateWindow, Totals, apply_setting,
-                                        health_hint, load_template, panel_data, parse_command, reusable_prefix)
+                                        health_hint, panel_data, parse_command, reusable_prefix)
 from specq.native.core.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from specq.native.core.stats import TokenEvent
+from specq.native.serving.template import load_template
 
 SETTINGS = GenerationSettings(n_predict=12, draft_max=4)
 

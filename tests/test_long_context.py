@@ -10,7 +10,7 @@ import pytest
 from loglines import LogLines
 from specq.errors import UsageError
 from specq.native.llama import ffi as _ffi
-from specq.native.commands.placement import choose_flash_attn
+from specq.native.core.config import choose_flash_attn
 
 
 def test_auto_turns_flash_attention_off_on_the_cpu_and_leaves_gpus_to_llama_cpp():

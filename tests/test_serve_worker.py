@@ -263,6 +263,7 @@ def test_a_served_request_computes_only_on_the_thread_that_loaded_the_models(tin
 
     from serve_proc import http
     from specq.native.llama import ffi as _ffi
+    from specq.native.core.config import EngineConfig
     from specq.native.serving.app import ServeConfig, bind_socket, open_server
 
     calls: list[tuple[str, int]] = []
@@ -293,8 +294,8 @@ def test_a_served_request_computes_only_on_the_thread_that_loaded_the_models(tin
         finally:
             os.kill(os.getpid(), signal.SIGTERM)  # drains and stops serve(), as a user's `kill` would
 
-    server = open_server(str(tiny_target), str(tiny_close), template=None, defaults=SETTINGS, cfg=ServeConfig(),
-                         ctx=1024, threads=1, ngl=0, ngl_draft=0)
+    server = open_server(EngineConfig(str(tiny_target), str(tiny_close), ctx=1024, threads=1), template=None,
+                         defaults=SETTINGS, cfg=ServeConfig())
     try:
         asker = threading.Thread(target=client, daemon=True)
         asker.start()

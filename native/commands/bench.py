@@ -7,13 +7,14 @@ import logging
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
+from pathlib import Path
 from typing import Callable
 
 from ... import __version__
-from ...errors import UsageError
+from ...errors import UsageError, check_text
 from ..llama import ffi as _ffi
-from . import placement
 from ..control.report import pool
+from ..core.config import EngineConfig
 from ..core.engine import Engine
 from ..core.generation import Generation
 from ..core.settings import GenerationSettings
@@ -29,26 +30,20 @@ DEFAULT_PROMPT = (
 
 @dataclass(frozen=True)
 class BenchConfig:
-    target: str
-    draft: str | None
+    engine: EngineConfig  # the pair and how it loads (cli/_common.engine_config builds it from the flags)
     prompts: tuple[str, ...]
     settings: GenerationSettings = GenerationSettings()
-    ctx: int = 4096
-    threads: int | None = None
-    ngl: int | None = None  # None: all layers when a GPU is present, else 0
-    ngl_draft: int | None = None
     repeat: int = 1
     baseline: bool = True
     extra_settings: dict = field(default_factory=dict)  # other flags to echo in the JSON settings
     sweep: tuple[tuple[int, float], ...] = ()  # (draft_max, p_min) points; empty: just `settings`
     prompt_names: tuple[str, ...] = ()
     chat: bool = False  # wrap each prompt as one user turn in the target's chat template
-    engine_options: dict = field(default_factory=dict)  # main_gpu, tensor splits, devices (see Placement)
 
     @property
     def speculative(self) -> bool:
         """Whether there is anything to draft with: a draft model, or n-gram lookup alone."""
-        return self.draft is not None or drafts_without_model(self.settings.drafters)
+        return self.engine.draft is not None or drafts_without_model(self.settings.drafters)
 
     def points(self) -> list[tuple[int, float]]:
         return list(self.sweep) or [(self.settings.draft_max, self.settings.p_min)]
@@ -74,14 +69,45 @@ def read_prompt_set(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(r["name"] for r in rows), tuple(r["prompt"] for r in rows)
 
 
+def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> tuple[str, ...]:
+    """--prompt (repeatable) or --prompt-file (whole file; .jsonl: one {"prompt": ...} per line)."""
+    if prompts and prompt_file:
+        raise UsageError("give --prompt or --prompt-file, not both")
+    if prompt_file is None:
+        return tuple(check_text(p, "--prompt") for p in prompts) if prompts else (DEFAULT_PROMPT,)
+    if not prompt_file.is_file():
+        raise UsageError(f"prompt file not found ({prompt_file}); check the path")
+    try:
+        text = prompt_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"prompt file is not UTF-8 text ({prompt_file}: byte {e.start}); pass a text file")
+    if prompt_file.suffix != ".jsonl":
+        return (text,)  # decoded strictly above: no lone surrogate
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            out.append(obj["prompt"])
+        except (ValueError, KeyError, TypeError):
+            raise UsageError(f'{prompt_file}:{n} is not a {{"prompt": "..."}} JSON object; fix that line')
+        if isinstance(out[-1], str):
+            check_text(out[-1], f"the prompt at {prompt_file}:{n}")
+    if not out:
+        raise UsageError(f"no prompts in {prompt_file}")
+    return tuple(out)
+
+
 def prompt_tokens(eng: Engine, cfg: BenchConfig) -> list[list[int]]:
     """Raw prompts are tokenized as given (special tokens parsed, like llama.cpp's -p); --chat applies the
     target's chat template to each as a single user turn."""
     if not cfg.chat:
         return [eng.tokenize(p) for p in cfg.prompts]
-    from .chat import ChatSession, load_template
+    from ..serving.template import load_template
+    from .chat import ChatSession
 
-    template = load_template(None, eng.target.chat_template(), cfg.target)
+    template = load_template(None, eng.target.chat_template(), cfg.engine.target)
     return [ChatSession(eng, template).plan_turn(p)[1] for p in cfg.prompts]
 
 
@@ -224,9 +250,10 @@ def recommend(sweep: list[dict]) -> dict | None:
             "speculative_tokens_per_s": s["speculative_tokens_per_s"], "speedup": s["speedup"]}
 
 
-def settings_record(cfg: BenchConfig, threads: int, ngl: int, ngl_draft: int) -> dict:
+def settings_record(cfg: BenchConfig, threads: int) -> dict:
     s = asdict(cfg.settings)
-    s.update({"ctx": cfg.ctx, "threads": threads, "ngl": ngl, "ngl_draft": ngl_draft, "repeat": cfg.repeat,
+    s.update({"ctx": cfg.engine.ctx, "threads": threads, "ngl": cfg.engine.ngl, "ngl_draft": cfg.engine.ngl_draft,
+              "repeat": cfg.repeat,
               "no_baseline": not cfg.baseline})
     s.update(cfg.extra_settings)
     return s
@@ -278,11 +305,7 @@ def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
     points = cfg.points()
     point_settings = [replace(cfg.settings, draft_max=k, p_min=p, draft_min=_draft_min_for(cfg.settings.draft_min, k)).validate()
                       for k, p in points]
-    ngl = placement.default_ngl() if cfg.ngl is None else cfg.ngl
-    ngl_draft = placement.default_ngl() if cfg.ngl_draft is None else cfg.ngl_draft
-    factory = engine_factory or Engine
-    with factory(cfg.target, cfg.draft, ctx=cfg.ctx, threads=cfg.threads, ngl=ngl, ngl_draft=ngl_draft,
-                 **cfg.engine_options) as eng:
+    with cfg.engine.open(factory=engine_factory or Engine) as eng:  # bench.Engine: the seam tests replace
         prompts = prompt_tokens(eng, cfg)
         names = list(cfg.prompt_names) or [None] * len(prompts)
         plan = ([("baseline", cfg.settings)] if cfg.baseline else []) + \
@@ -313,9 +336,9 @@ def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
             "specq_version": __version__,
             "llama_cpp_python_version": _ffi.llama_cpp_python_version(),
             "target": model_record(eng, "target"),
-            "draft": model_record(eng, "draft") if cfg.draft else None,
+            "draft": model_record(eng, "draft") if cfg.engine.draft else None,
             # draft_window: a fixed window (--ctx-draft N); with auto, runs[].draft_window says what was taken
-            "settings": {**settings_record(cfg, eng.threads, ngl, ngl_draft), "draft_window": eng.draft_window},
+            "settings": {**settings_record(cfg, eng.threads), "draft_window": eng.draft_window},
             "prompts": [{"index": i, "name": names[i], "n_tokens": len(t)} for i, t in enumerate(prompts)],
             "runs": runs,
             # Without a sweep: the one point. With one: the recommended point; every point is in `sweep`.

@@ -16,54 +16,15 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ... import __version__
-from ...errors import ContextFullError, SpecqError, UsageError, check_text
+from ...errors import ContextFullError, UsageError, check_text
+from ..core.config import EngineConfig
 from ..core.engine import Engine
 from ..core.settings import GenerationSettings
 from ..core.stats import GenerationStats, Rates, TokenEvent
 from ..drafters.ngram import drafts_without_model
+from ..serving.template import TemplateFormatter, load_template
 
 log = logging.getLogger("specq.chat")
-
-
-# ==== the chat template =========================================================================
-def load_template(arg: str | None, model_template: str | None, model_path: str = "") -> str:
-    """--template (a file, or Jinja text) wins over the model's own; neither is an error."""
-    if arg:
-        p = Path(arg)
-        if p.is_file():
-            return p.read_text(encoding="utf-8")
-        if "{{" in arg or "{%" in arg:
-            return arg
-        raise UsageError(f"--template is neither a file nor a Jinja template ({arg}); "
-                         "pass a template file or the template text")
-    if not model_template:
-        raise SpecqError(f"the model has no chat template ({model_path}); "
-                         "pass --template FILE with a Jinja chat template for it")
-    return model_template
-
-
-class TemplateFormatter:
-    """The conversation → prompt text, through llama-cpp-python's sandboxed Jinja2 chat formatter."""
-
-    def __init__(self, template: str, bos_token: str, eos_token: str):
-        import jinja2
-
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        try:
-            self._fmt = Jinja2ChatFormatter(template, eos_token=eos_token, bos_token=bos_token,
-                                            add_generation_prompt=True)
-        except jinja2.TemplateError as e:
-            raise SpecqError(f"the chat template does not parse ({e}); pass a working one with --template")
-
-    def render(self, messages: list[dict]) -> str:
-        import jinja2
-
-        try:
-            return self._fmt(messages=messages).prompt
-        except (jinja2.TemplateError, ValueError, TypeError) as e:
-            raise SpecqError(f"the chat template refused the conversation ({e}); "
-                             "check the roles (some templates need user/assistant turns to alternate)")
 
 
 # ==== matching the rendered conversation against what the caches hold ============================
@@ -370,13 +331,12 @@ def write_json_atomic(path: Path, doc: dict) -> Path:
     return path
 
 
-def open_chat(target: str, draft: str | None, *, template: str | None, settings: GenerationSettings,
-              system: str | None, ctx: int, threads: int | None, ngl: int, ngl_draft: int,
-              engine_factory: Callable[..., Engine] = Engine, **engine_options) -> ChatSession:
+def open_chat(engine: EngineConfig, *, template: str | None, settings: GenerationSettings, system: str | None,
+              engine_factory: Callable[..., Engine] = Engine) -> ChatSession:
     """Load the models and start a conversation (closing the engine if the template is unusable)."""
-    eng = engine_factory(target, draft, ctx=ctx, threads=threads, ngl=ngl, ngl_draft=ngl_draft, **engine_options)
+    eng = engine.open(factory=engine_factory)
     try:
-        tpl = load_template(template, eng.target.chat_template(), str(target))
+        tpl = load_template(template, eng.target.chat_template(), engine.target)
         return ChatSession(eng, tpl, settings, system)
     except BaseException:
         eng.close()

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from ...errors import UsageError
+from ..core.config import choose_flash_attn
 from ..llama import ffi as _ffi
 
 log = logging.getLogger("specq.placement")
@@ -27,36 +28,6 @@ class Placement:
     draft_flash_attn: str = "auto"
     rpc: tuple[str, ...] = ()  # RPC servers whose devices were added (--rpc)
 
-    def engine_options(self) -> dict:
-        """Engine keyword arguments beyond ngl/ngl_draft (lists where it takes lists; [] is no device: the CPU)."""
-        return {"main_gpu": self.main_gpu,
-                "tensor_split": list(self.tensor_split) if self.tensor_split else None,
-                "draft_tensor_split": list(self.draft_tensor_split) if self.draft_tensor_split else None,
-                "devices": list(self.devices) if self.devices is not None else None,
-                "draft_devices": list(self.draft_devices) if self.draft_devices is not None else None,
-                "cpu_amx": self.cpu_amx, "flash_attn": self.flash_attn, "draft_flash_attn": self.draft_flash_attn}
-
-
-FLASH_ATTN_VALUES = ("auto", "on", "off")
-
-
-def choose_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None) -> str:
-    """The attention path for one model: what --flash-attn says, and for auto, off when the model runs on the
-    CPU alone, else llama.cpp's own choice ("auto": on where the device supports it).
-
-    On the CPU, llama.cpp's flash-attention kernel decodes slower than the plain one once the context is
-    long, and a verify batch more so: docs/benchmarks.md#long-context measures plain decoding and verifies
-    both ways from 0.5k to 8k tokens. It does process a prompt faster, so a long prompt followed by a short
-    answer can be quicker with --flash-attn on."""
-    if flag not in FLASH_ATTN_VALUES:
-        raise UsageError(f"--flash-attn must be auto, on or off ({flag})")
-    if flag != "auto":
-        return flag
-    if devices is not None and not devices:  # no device at all: the CPU (the draft beside --rpc devices)
-        return "off"
-    on_cpu = (ngl == 0 or not _ffi.supports_gpu_offload()) if not devices else \
-        all(d.upper().startswith("CPU") for d in devices)
-    return "off" if on_cpu else "auto"
 
 
 def default_ngl() -> int:

@@ -147,7 +147,7 @@ def write_tuned(pair_dir, result: TuneResult):
     from pathlib import Path
 
     from ...manifest import MANIFEST_NAME, dumps, load_pair
-    from ...convert.writer import atomic_output
+    from ...atomic import atomic_output
 
     load_pair(pair_dir, verify=False, hint=False)  # the usual checks for a missing or bad manifest
     path = Path(pair_dir) / MANIFEST_NAME

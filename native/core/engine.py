@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ...errors import ModelFileError, UsageError
-from ..commands.placement import choose_flash_attn
+from .config import choose_flash_attn
 from ..llama import ffi as _ffi
 from .compat import VocabInfo, check_compatible
 from .session import Session

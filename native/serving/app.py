@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from ...errors import SpecqError, UsageError
-from ..commands.chat import TemplateFormatter, load_template
+from ..core.config import EngineConfig
 from ..core.engine import Engine
 from ..core.settings import GenerationSettings
 from .api import (ApiError, ApiRequest, Limits, ResponseIds, chunk, full_response, parse_json, parse_request,
                   settings_for, sse, usage_chunk)
+from .template import TemplateFormatter, load_template
 from .worker import Job, Worker
 
 log = logging.getLogger("specq.serve")
@@ -458,15 +459,14 @@ class SpecqServer:
             self.engine.close()
 
 
-def open_server(target: str, draft: str | None, *, template: str | None, defaults: GenerationSettings,
-                cfg: ServeConfig, ctx: int, threads: int | None, ngl: int, ngl_draft: int,
-                engine_factory: Callable[..., Engine] = Engine, **engine_options) -> SpecqServer:
+def open_server(engine: EngineConfig, *, template: str | None, defaults: GenerationSettings, cfg: ServeConfig,
+                engine_factory: Callable[..., Engine] = Engine) -> SpecqServer:
     """Load the models and build the app (closing the engine if the template is unusable)."""
-    eng = engine_factory(target, draft, ctx=ctx, threads=threads, ngl=ngl, ngl_draft=ngl_draft, **engine_options)
+    eng = engine.open(factory=engine_factory)
     try:
-        tpl = load_template(template, eng.target.chat_template(), str(target)) \
+        tpl = load_template(template, eng.target.chat_template(), engine.target) \
             if template or eng.target.chat_template() else None
-        return SpecqServer(eng, tpl, defaults, cfg.validate(), model_id(target))
+        return SpecqServer(eng, tpl, defaults, cfg.validate(), model_id(engine.target))
     except BaseException:
         eng.close()
         raise

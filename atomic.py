@@ -1,0 +1,34 @@
+"""Atomic file output, shared by the converter (GGUF files) and the pair manifest (convert, `specq tune --write`):
+a file appears whole under its name or not at all."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+from .native.llama import abort_guard
+
+
+def temp_path(final: Path) -> Path:
+    """A hidden name in the output directory that never ends in .gguf."""
+    return final.with_name(f".{final.name}.{os.getpid()}.part")
+
+
+@contextlib.contextmanager
+def atomic_output(final: Path) -> Iterator[Path]:
+    """Yield a temporary path; on success it is fsynced and renamed to `final`, on any failure removed."""
+    tmp = temp_path(final)
+    abort_guard.track(tmp)  # a native abort removes it too
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    finally:
+        abort_guard.untrack(tmp)
