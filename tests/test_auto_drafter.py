@@ -252,3 +252,14 @@ def test_auto_spaces_its_probes_on_thin_evidence_when_they_cost():
                               0.008 * k if k else None, 0.008 if k else None, drafter=name))
     assert 0 < c.n_probes <= 4 and c.n_plain_steps >= 50
     assert c.per["model"].thin_gap > 1  # the mechanism ran: the last probe set a gap
+
+
+def test_every_drafters_controller_prices_the_verify_on_one_shared_model():
+    # The target's cost does not depend on the drafter: a verify measured on any step prices every drafter's
+    # next choice, and every probe is paid from one exploration budget.
+    c = AdaptiveDrafters(16, {"model": 0.5, "ngram": 0.01}, model="model", memoryless={"ngram"})
+    c.observe(StepOutcome(0, 0, None, 0.020, 0.0))  # a plain step
+    assert c.per["model"].verify_s(1) == c.per["ngram"].verify_s(1) == 0.020
+    c.observe(StepOutcome(8, 8, 0.010, 0.050, 0.0, 0.081, 0.011, drafter="model"))
+    assert c.per["ngram"].verify_s(9) == c.shared.verify_s(9) == 0.050
+    assert c.per["model"].budget is c.per["ngram"].budget is c.shared.budget
