@@ -77,6 +77,11 @@ class AdaptiveDrafters:
         return self.shared.n_batch_calibrations
 
     @property
+    def probe_interval(self) -> int:
+        """Plain steps between probes while plain decoding wins (doubling while they fail)."""
+        return self.schedule.interval
+
+    @property
     def overhead(self) -> float:
         """The per-step overhead, as measured over every step."""
         return self.shared.overhead
@@ -146,10 +151,6 @@ class AdaptiveDrafters:
             return Choice(self._use(name), min(self.probe_k, limits[name], self.cap))
         self.n_plain_steps += 1
         return Choice(None, 0)
-
-    @property
-    def probe_interval(self) -> int:
-        return self.schedule.interval
 
     def _explore(self, best: str, limits: dict[str, int]) -> str | None:
         """Another drafter to try this step instead of the best one, so that a drafter's estimate is not
