@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from specq.native.control.expected import expected_tokens_per_pass
 from specq.native.llama import ffi as _ffi
 from specq.native.commands.plan import Device, plan
 
@@ -65,9 +66,7 @@ def measure(path: str, ngl: int, ctx_size: int, prefix: int, ns: list[int], thre
 
 def ideal_speedup(alpha: float, k: int, c: float, v: float) -> float:
     """Target-alone time per token over speculative time per token (BRIEF.md, with the measured v)."""
-    if alpha >= 1.0:
-        return (k + 1) / (k * c + v)
-    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + v))
+    return expected_tokens_per_pass(alpha, k) / (k * c + v)
 
 
 def main() -> None:

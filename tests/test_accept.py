@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from specq.native.core.accept import (accepted_per_position, expected_tokens_per_pass, greedy_emit, ideal_speedup,
-                                      n_accepted_greedy, top_probability)
+from specq.native.control.expected import expected_tokens_per_pass, ideal_speedup
+from specq.native.core.accept import accepted_per_position, greedy_emit, n_accepted_greedy, top_probability
 
 
 def one_hot_logits(choices, n_vocab=10):

@@ -12,7 +12,9 @@ import tinymodels
 import specq.native.core.generation as generation_mod
 import specq.native.core.session as session_mod
 from specq.errors import UsageError
-from specq.native.control.adaptive import REACH_STEP, AdaptiveDraft, paired_acceptance, window_pays, window_pays_at
+from specq.native.control.length import REACH_STEP, AdaptiveDraft
+from specq.native.control.step import StepOutcome
+from specq.native.control.window import paired_acceptance, window_pays, window_pays_at
 from specq.native.core.settings import (AGREE_TOKENS, AUTO_DRAFT_CAP, DRAFT_SINK, WINDOW_PROBATION, WINDOW_TRIAL,
                                         GenerationSettings)
 from specq.native.core.engine import Engine, SimulatedClock
@@ -29,7 +31,7 @@ def simulate(alpha: float, draft_ms: float, verify_ms, steps: int = 300, seed: i
         while a < k and rng.random() < alpha:
             a += 1
         v = verify_ms(k + 1) / 1e3
-        c.observe(k, a, draft_ms / 1e3 if k else None, v, 0.0)
+        c.observe(StepOutcome(k, a, draft_ms / 1e3 if k else None, v, 0.0))
         ks.append(k)
         tokens += a + 1
         time_s += k * draft_ms / 1e3 + v
@@ -151,13 +153,11 @@ def test_engine_auto_with_perfect_cheap_draft_drafts_and_accepts(pairs):
 
 
 def test_a_noisy_cheap_reading_of_a_big_verify_does_not_make_drafting_look_free():
-    from specq.native.control.adaptive import AdaptiveDraft
-
     c = AdaptiveDraft(cap=4, cost_ratio_prior=0.5)
     for _ in range(20):  # plain decoding: one-token verifies at 10 ms
-        c.observe(0, 0, None, 0.010, 0.0)
+        c.observe(StepOutcome(0, 0, None, 0.010, 0.0))
     # one probe (5 ms of drafting) whose 2-token verify happened to read 6 ms (noise)
-    c.observe(1, 0, None, 0.006, 0.0, draft_s=0.005, first_token_s=0.005)
+    c.observe(StepOutcome(1, 0, None, 0.006, 0.0, draft_s=0.005, first_token_s=0.005))
     assert c.verify_s(2) >= c.verify_s(1)
     # a draft that was just rejected is not worth half a step plus a verify (at 6 ms it would look so)
     assert c.choose(4) == 0
@@ -175,7 +175,7 @@ def test_a_single_token_verify_does_not_set_the_slope_of_batch_verifies():
 def test_positions_never_tried_inherit_the_last_tried_position_not_the_pooled_rate():
     c = AdaptiveDraft(cap=8)
     for i in range(20):  # every other step rejects at position 1; past it, every token is accepted
-        c.observe(3, 0 if i % 2 else 3, 0.001, 0.01, 0.0)
+        c.observe(StepOutcome(3, 0 if i % 2 else 3, 0.001, 0.01, 0.0))
     a = c.alphas()
     assert 0.35 < a[0] < 0.65 and a[2] > 0.9
     assert a[5] > 0.85  # the pooled rate (~0.75 here) would give ~0.75
@@ -499,8 +499,8 @@ def test_a_few_unlucky_first_drafts_do_not_stop_drafting_for_the_whole_answer():
     for step in range(30):
         k = c.choose(8)
         accepted = 0 if step < 3 else k
-        c.observe(k, accepted, 0.006 if k > 1 else None, (20.0 if k == 0 else 25.0 + k) / 1e3, 0.0,
-                  draft_s=0.006 * k if k else None, first_token_s=0.006 if k else None)
+        c.observe(StepOutcome(k, accepted, 0.006 if k > 1 else None, (20.0 if k == 0 else 25.0 + k) / 1e3, 0.0,
+                              draft_s=0.006 * k if k else None, first_token_s=0.006 if k else None))
         ks.append(k)
     assert 0 < c.n_plain_steps <= 6 and c.n_probes > 0, ks  # it did go plain, and probed its way back
     assert min(ks[15:]) >= 4, ks
@@ -513,8 +513,8 @@ def test_probes_on_thin_evidence_are_spaced_out_when_they_cost():
     c = AdaptiveDraft(cap=8)
     for _ in range(60):
         k = c.choose(8)
-        c.observe(k, 0, 0.008 if k > 1 else None, (20.0 if k == 0 else 26.0 + k) / 1e3, 0.0,
-                  draft_s=0.008 * k if k else None, first_token_s=0.008 if k else None)
+        c.observe(StepOutcome(k, 0, 0.008 if k > 1 else None, (20.0 if k == 0 else 26.0 + k) / 1e3, 0.0,
+                              draft_s=0.008 * k if k else None, first_token_s=0.008 if k else None))
     assert 0 < c.n_probes <= 4 and c.n_plain_steps >= 50
     assert c.thin_gap > 1  # the mechanism ran: the last probe set a gap
 
@@ -580,16 +580,16 @@ def simulate_long_context(c, alpha: float, n_tokens: int, seed: int = 0) -> tupl
         c.at(4096, n_tokens - tokens)
         k = c.choose(min(16, n_tokens - tokens - 1))
         if k == 0:
-            c.observe(0, 0, None, plain, 0.0)
+            c.observe(StepOutcome(0, 0, None, plain, 0.0))
             behind, tokens, time_s = behind + 1, tokens + 1, time_s + plain
             continue
         a = 0
         while a < k and rng.random() < alpha:
             a += 1
         draft_s = first + max(behind - 1, 0) * catch + (k - 1) * per
-        c.observe(k, a, per if k > 1 else None, verify(k + 1), 0.0, draft_s=draft_s,
-                  first_token_s=first if behind <= 2 else None,
-                  catchup=(behind, first + (behind - 1) * catch) if behind > 2 else None)
+        c.observe(StepOutcome(k, a, per if k > 1 else None, verify(k + 1), 0.0, draft_s=draft_s,
+                              first_token_s=first if behind <= 2 else None,
+                              catchup=(behind, first + (behind - 1) * catch) if behind > 2 else None))
         behind, tokens, time_s = 1, tokens + a + 1, time_s + draft_s + verify(k + 1)
     return time_s / (tokens * plain), tokens
 
@@ -613,9 +613,9 @@ def test_probes_cost_at_most_a_few_percent_where_drafting_barely_pays(alpha):
 def test_without_the_probe_budget_the_probes_cost_more(monkeypatch):
     # The same pair with the budget off: the thin-evidence probes (spaced only by their last measured cost) lose
     # over 4% of a 48-token answer.
-    from specq.native.control import adaptive
+    from specq.native.control import explore
 
-    monkeypatch.setattr(adaptive.ExploreBudget, "allows", lambda self, *args: True)
+    monkeypatch.setattr(explore.ExploreBudget, "allows", lambda self, *args: True)
     c = AdaptiveDraft(cap=16)
     c.calibrate(4096, 0.036, 0.026)
     c.calibrate(4096, 0.041 + 0.0058 * 5, None, 5)
@@ -644,8 +644,8 @@ def deep_8k_opening(seed: int = 0) -> tuple[AdaptiveDraft, list[int], float]:
         while drafts >= 2 and a < k and rng.random() < 0.7:
             a += 1
         drafts += k > 0
-        c.observe(k, a, per if k > 1 else None, verify(k + 1), 0.0, draft_s=k * per if k else None,
-                  first_token_s=per if k else None)
+        c.observe(StepOutcome(k, a, per if k > 1 else None, verify(k + 1), 0.0, draft_s=k * per if k else None,
+                              first_token_s=per if k else None))
         ks.append(k)
         tokens, time_s = tokens + a + 1, time_s + k * per + verify(k + 1)
     return c, ks, time_s / (tokens * plain)
@@ -670,8 +670,8 @@ def test_past_the_positions_tried_a_dear_draft_grows_a_few_positions_at_a_time()
     for _ in range(24):
         c.at(2048, 48)
         k = c.choose(16)
-        c.observe(k, k, 0.020 if k > 1 else None, verify(k + 1), 0.0, draft_s=0.020 * k if k else None,
-                  first_token_s=0.020 if k else None)
+        c.observe(StepOutcome(k, k, 0.020 if k > 1 else None, verify(k + 1), 0.0, draft_s=0.020 * k if k else None,
+                              first_token_s=0.020 if k else None))
         ks.append(k)
     assert ks[0] > 0 and all(k <= max(ks[:i]) + REACH_STEP for i, k in enumerate(ks) if i), ks
     assert ks[-1] == 16 and len(set(ks)) >= 6, ks  # it grew in steps (2, 4, 6, ...), to the cap
@@ -690,9 +690,9 @@ def test_while_evidence_is_thin_a_step_costs_at_most_a_few_plain_ones():
 
 
 def test_without_the_reach_the_opening_drafts_to_the_cap(monkeypatch):
-    from specq.native.control import adaptive
+    from specq.native.control import length
 
-    monkeypatch.setattr(adaptive, "THIN_STEP_COST", float("inf"))
+    monkeypatch.setattr(length, "THIN_STEP_COST", float("inf"))
     runs = [deep_8k_opening(seed) for seed in range(6)]
     assert all(max(ks) >= 10 for _, ks, _ in runs)
     assert np.mean([slower for *_, slower in runs]) > 1.08

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specq.native.control.adaptive import AdaptiveDrafters
+from specq.native.control.chooser import AdaptiveDrafters
+from specq.native.control.length import AdaptiveDraft
+from specq.native.control.step import StepOutcome
 from specq.native.core.engine import Engine, SimulatedClock
 from specq.native.core.settings import GenerationSettings
 from test_adaptive import cpu_like_costs
@@ -16,7 +18,7 @@ def simulate(alphas: dict[str, float], draft_ms: dict[str, float], verify_ms, st
     """The controller against synthetic drafters: i.i.d. acceptance per drafter, fixed costs; how often each
     was chosen over the last half of the steps (None: plain decoding)."""
     rng = np.random.default_rng(seed)
-    c = AdaptiveDrafters(16, {n: 0.1 for n in alphas})
+    c = AdaptiveDrafters(16, {n: 0.1 for n in alphas}, memoryless={"ngram"})
     chosen: dict = {}
     for i in range(steps):
         name, k = c.choose({n: 16 for n in alphas})
@@ -24,8 +26,9 @@ def simulate(alphas: dict[str, float], draft_ms: dict[str, float], verify_ms, st
         if name is not None:
             while a < k and rng.random() < alphas[name]:
                 a += 1
-        c.observe(name, k, a, draft_ms[name] / 1e3 if name and k > 1 else None, verify_ms(k + 1) / 1e3, 0.0,
-                  draft_ms[name] * k / 1e3 if name else 0.0, draft_ms[name] / 1e3 if name else None)
+        c.observe(StepOutcome(k, a, draft_ms[name] / 1e3 if name and k > 1 else None, verify_ms(k + 1) / 1e3, 0.0,
+                              draft_ms[name] * k / 1e3 if name else 0.0, draft_ms[name] / 1e3 if name else None,
+                              drafter=name))
         if i >= steps // 2:
             chosen[name] = chosen.get(name, 0) + 1
     return chosen
@@ -167,7 +170,7 @@ def test_a_drafter_that_lost_early_is_tried_again_when_the_text_changes():
     # Plain decoding never wins, so plain-step probes never run: the n-grams must be re-tried while the model
     # wins, or their early estimate keeps them out for good.
     rng = np.random.default_rng(0)
-    c = AdaptiveDrafters(16, {"ngram": 0.01, "model": 0.3})
+    c = AdaptiveDrafters(16, {"ngram": 0.01, "model": 0.3}, model="model", memoryless={"ngram"})
     late = {}
     for i in range(400):
         name, k = c.choose({"ngram": 8, "model": 16})
@@ -176,8 +179,8 @@ def test_a_drafter_that_lost_early_is_tried_again_when_the_text_changes():
         while a < k and rng.random() < alpha:
             a += 1
         draft_ms = {"model": 4.0, "ngram": 0.05}.get(name, 0.0)
-        c.observe(name, k, a, draft_ms / 1e3 if name and k > 1 else None, (10.0 + 0.5 * (k + 1)) / 1e3, 0.0,
-                  draft_ms * k / 1e3, draft_ms / 1e3 if name else None)
+        c.observe(StepOutcome(k, a, draft_ms / 1e3 if name and k > 1 else None, (10.0 + 0.5 * (k + 1)) / 1e3, 0.0,
+                              draft_ms * k / 1e3, draft_ms / 1e3 if name else None, drafter=name))
         if i >= 300:
             late[name] = late.get(name, 0) + 1
     assert late.get("ngram", 0) > 0.8 * 100, late
@@ -189,7 +192,7 @@ def _controller_after_mixed_steps() -> AdaptiveDrafters:
     per further one, 4 ms per token of a long catch-up) and n-grams right about 70% of the time, at no drafting
     cost; verify 20 ms + 2 ms per row. On its own costs an n-gram step of 3 (2.5 tokens in 28 ms) beats the model
     (8.6 tokens in 119 ms); charged the 4 ms per token the model will spend catching up, it loses."""
-    c = AdaptiveDrafters(16, {"model": 0.5, "ngram": 0.01})
+    c = AdaptiveDrafters(16, {"model": 0.5, "ngram": 0.01}, model="model", memoryless={"ngram"})
     verify = lambda b: (20.0 + 2.0 * b) / 1e3  # noqa: E731
     ngram_accepted = [3, 1, 0, 2, 3, 1, 3, 2, 0, 3]
     backlog = 1
@@ -197,11 +200,12 @@ def _controller_after_mixed_steps() -> AdaptiveDrafters:
         c.choose({"model": 16, "ngram": 3})
         if i % 4 == 3:
             a = ngram_accepted[(i // 4) % len(ngram_accepted)]
-            c.observe("ngram", 3, a, None, verify(4), 0.0, 0.0, None)
+            c.observe(StepOutcome(3, a, None, verify(4), 0.0, 0.0, None, drafter="ngram"))
             backlog += a + 1
         else:
             catchup = (backlog, 0.011 + (backlog - 1) * 0.004) if backlog > 2 else None
-            c.observe("model", 8, 8, 0.010, verify(9), 0.0, 0.081, None if catchup else 0.011, catchup)
+            c.observe(StepOutcome(8, 8, 0.010, verify(9), 0.0, 0.081, None if catchup else 0.011, catchup,
+                                  drafter="model"))
             backlog = 2
     return c
 
@@ -217,7 +221,6 @@ def test_an_ngram_step_is_charged_the_draft_models_catch_up():
 def test_without_the_catch_up_charge_the_ngram_step_would_win(monkeypatch):
     # the counterpart of the test above: the same evidence with the charge taken away picks the n-grams, so the
     # choice above is the charge's doing
-    from specq.native.control.adaptive import AdaptiveDraft
     monkeypatch.setattr(AdaptiveDraft, "catchup_s", lambda self: 0.0)
     c = _controller_after_mixed_steps()
     assert c.choose({"model": 16, "ngram": 3})[0] == "ngram"
@@ -242,10 +245,21 @@ def test_auto_spaces_its_probes_on_thin_evidence_when_they_cost():
     # As test_adaptive's test of the same name, with the drafter chosen by auto: a useless, dear draft model
     # (8 ms a token against 20 ms plain). Every-other-step probing would spend ~30 probes in 60 steps; spaced by
     # the drafter's measured probe cost, a few.
-    c = AdaptiveDrafters(8, {"model": 0.4})
+    c = AdaptiveDrafters(8, {"model": 0.4}, model="model")
     for _ in range(60):
         name, k = c.choose({"model": 8})
-        c.observe(name, k, 0, 0.008 if k > 1 else None, (20.0 if k == 0 else 26.0 + k) / 1e3, 0.0,
-                  0.008 * k if k else None, 0.008 if k else None)
+        c.observe(StepOutcome(k, 0, 0.008 if k > 1 else None, (20.0 if k == 0 else 26.0 + k) / 1e3, 0.0,
+                              0.008 * k if k else None, 0.008 if k else None, drafter=name))
     assert 0 < c.n_probes <= 4 and c.n_plain_steps >= 50
     assert c.per["model"].thin_gap > 1  # the mechanism ran: the last probe set a gap
+
+
+def test_every_drafters_controller_prices_the_verify_on_one_shared_model():
+    # The target's cost does not depend on the drafter: a verify measured on any step prices every drafter's
+    # next choice, and every probe is paid from one exploration budget.
+    c = AdaptiveDrafters(16, {"model": 0.5, "ngram": 0.01}, model="model", memoryless={"ngram"})
+    c.observe(StepOutcome(0, 0, None, 0.020, 0.0))  # a plain step
+    assert c.per["model"].verify_s(1) == c.per["ngram"].verify_s(1) == 0.020
+    c.observe(StepOutcome(8, 8, 0.010, 0.050, 0.0, 0.081, 0.011, drafter="model"))
+    assert c.per["ngram"].verify_s(9) == c.shared.verify_s(9) == 0.050
+    assert c.per["model"].budget is c.per["ngram"].budget is c.shared.budget

@@ -15,7 +15,7 @@ import typer
 
 from cli_bin import BIN_DIR
 from specq.cli.main import app
-from specq.native.core.accept import ideal_speedup
+from specq.native.control.expected import ideal_speedup
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]

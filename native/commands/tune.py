@@ -12,8 +12,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from ..core.accept import expected_tokens_per_pass
-from ..control.adaptive import best_draft_length
+from ..control.expected import best_draft_length, ideal_speedup
 from ..core.engine import Engine
 from ..core.settings import GenerationSettings
 
@@ -138,7 +137,7 @@ def calibrate(eng: Engine, prompts: tuple[str, ...] = DEFAULT_PROMPTS, n_predict
 
 def ideal_speedup_table(alpha: float, cost_ratio: float, ks=(1, 2, 4, 8)) -> dict[int, float]:
     """BRIEF.md's ideal speed-up for a few k, for the printed summary (flat verify cost)."""
-    return {k: expected_tokens_per_pass(alpha, k) / (k * cost_ratio + 1.0) for k in ks}
+    return {k: ideal_speedup(alpha, k, cost_ratio) for k in ks}
 
 
 def write_tuned(pair_dir, result: TuneResult):

@@ -1,8 +1,8 @@
-"""The cost model that explains a measured run: the adaptive controller's own model (native/control/adaptive.py)
-evaluated on what the run measured, with no fitted constants.
+"""The cost model that explains a measured run: the adaptive controller's own model (native/control/length.py,
+expected.py) evaluated on what the run measured, with no fitted constants.
 
-A step that drafts k tokens emits E(k) = 1 + Σ_{j=1..k} Π_{i≤j} α_i tokens on average (α_i: the conditional
-acceptance at position i, measured) and takes T(k) = t_first + (k−1)·t_next + V(k+1) + o (the draft's first
+A step that drafts k tokens emits E(k) tokens on average (expected.py, on α_i: the conditional acceptance at
+position i, measured) and takes T(k) = t_first + (k−1)·t_next + V(k+1) + o (the draft's first
 token with its catch-up, each further drafted token, the verify pass of k+1 tokens by batch size, the
 per-step overhead; all measured). Over the run's own mix of draft lengths H(k):
     predicted tokens/s = Σ H(k)·E(k) / Σ H(k)·T(k)
@@ -14,6 +14,8 @@ plain steps' if cheaper):
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .expected import expected_tokens
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,8 @@ class StepCosts:
         return out
 
     def expected_tokens(self, k: int) -> float:
-        alphas, total, prod = self.alphas(), 1.0, 1.0
-        for j in range(min(k, len(alphas))):
-            prod *= alphas[j]
-            total += prod
-        return total
+        """E(k) on the measured acceptance per position (expected.expected_tokens)."""
+        return expected_tokens(self.alphas(), k)
 
     def t_next(self) -> float:
         return self.draft_next_ms / self.n_draft_next if self.n_draft_next else 0.0

@@ -41,18 +41,6 @@ def accepted_per_position(accepted_counts: Sequence[int], draft_max: int) -> lis
     return [int(x) for x in at_least[1:draft_max + 1]]
 
 
-def expected_tokens_per_pass(alpha: float, k: int) -> float:
-    """(1 − α^(k+1)) / (1 − α): expected tokens per target pass with k drafted tokens."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def ideal_speedup(alpha: float, k: int, c: float) -> float:
-    """(1 − α^(k+1)) / ((1 − α)(k·c + 1)): the best speed-up a draft of cost ratio c can give."""
-    return expected_tokens_per_pass(alpha, k) / (k * c + 1.0)
-
-
 def rejection_emit(draft: Sequence[int], q: Sequence, p: Sequence, rng: np.random.Generator) -> list[int]:
     """Exact speculative sampling (Leviathan et al., Chen et al.) over sparse distributions.
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import codecs
 from typing import Iterator, TYPE_CHECKING
 
-from ..control.adaptive import AdaptiveDraft, AdaptiveDrafters
+from ..control.chooser import AdaptiveDrafters
+from ..control.length import AdaptiveDraft
+from ..control.step import StepOutcome
 from .accept import accepted_per_position
 from .sampling import Sampling
 from .settings import AGREE_TOKENS, GenerationSettings, WINDOW_PROBATION
@@ -159,13 +161,10 @@ class Generation:
                     p.count_step(step, len(events))
                 ses._rewind()
                 if ctrl is not None:
-                    args = (step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
-                            self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s, step.first_token_s,
-                            step.catchup)
-                    if auto_drafter:
-                        ctrl.observe(step.drafter, *args)
-                    else:
-                        ctrl.observe(*args)
+                    ctrl.observe(StepOutcome(
+                        step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
+                        self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s, step.first_token_s,
+                        step.catchup, drafter=step.drafter))
                 rows = ses.window_on_probation()
                 if rows is not None and rows >= WINDOW_PROBATION:
                     ses.settle_window(self._overhead())

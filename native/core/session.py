@@ -9,7 +9,9 @@ from typing import Callable, TYPE_CHECKING
 import numpy as np
 
 from ...errors import ContextFullError, UsageError
-from ..control.adaptive import AdaptiveDraft, AdaptiveDrafters, paired_acceptance, window_pays, window_pays_at
+from ..control.chooser import AdaptiveDrafters
+from ..control.length import AdaptiveDraft
+from ..control.window import paired_acceptance, window_pays, window_pays_at
 from ..drafters.mtp import MtpDrafter
 from ..drafters.ngram import point_mass, propose
 from ..llama import ffi as _ffi
@@ -141,7 +143,8 @@ class Session:
             if s.drafters == ("auto",):
                 self._controllers[key] = AdaptiveDrafters(s.draft_cap, {n: self._cost_prior(n) for n in
                                                                         self.available_drafters(s)},
-                                                          attention_prior=attention)
+                                                          attention_prior=attention, model="model",
+                                                          memoryless=("ngram",))
             else:
                 self._controllers[key] = AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio, attention_prior=attention)
         return self._controllers[key]

@@ -1,0 +1,190 @@
+"""The drafter chooser (--drafter auto): each step, the drafter (or plain decoding) and the length."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Collection
+
+from .explore import ProbeSchedule, doubled
+from .length import AdaptiveDraft, AdaptiveSnapshot
+from .step import Choice, StepOutcome
+
+
+class AdaptiveDrafters:
+    """--drafter auto: each step, the drafter (or plain decoding) and the length with the most expected tokens
+    per second. One AdaptiveDraft per drafter holds its acceptance by position and its drafting costs; a shared
+    one (`shared`) holds what every step measures alike: the verify cost by batch size (its TargetCosts, which
+    every drafter's controller holds by reference), the per-step overhead and the exploration budget. While
+    plain decoding wins, a short probe of the drafter tried least recently runs every `probe_interval` steps
+    (doubling while probes keep failing), so that a drafter whose estimate went stale can come back.
+
+    `model`: the drafter that drafts with the draft model (the prefill's draft timings and prompt agreement are
+    its); `memoryless`: drafters with no memory of the text, so nothing to catch up on (n-gram lookup)."""
+
+    def __init__(self, cap: int, cost_ratio_priors: dict[str, float], probe_min: int = 16, probe_max: int = 64,
+                 probe_k: int = 1, model: str | None = None, memoryless: Collection[str] = (), **kw):
+        self.cap = cap
+        self.model = model
+        self.memoryless = frozenset(memoryless)
+        self.shared = AdaptiveDraft(cap, **kw)
+        # one verify model (the target's cost does not depend on the drafter) and one account for all probes
+        self.per: dict[str, AdaptiveDraft] = {
+            name: AdaptiveDraft(cap, cost_ratio_prior=ratio, probe_min=probe_min, probe_max=probe_max,
+                                probe_k=probe_k, target=self.shared.target, budget=self.shared.budget, **kw)
+            for name, ratio in cost_ratio_priors.items()}
+        self.probe_min, self.probe_max, self.probe_k = probe_min, probe_max, probe_k
+        self.schedule = ProbeSchedule(probe_min, probe_max, self.shared.schedule.probe_budget)
+        self.n_plain_steps = 0
+        self.n_probes = 0
+        self.last_used = {name: 0 for name in self.per}
+        self.explore_interval = {name: probe_min for name in self.per}  # see _explore
+        self.n_steps = 0
+        self.n_chosen = {name: 0 for name in self.per}
+        self.n_charged = 0  # steps chosen with a drafter's catch-up charged to the others (see choose)
+
+    def at(self, n_ctx: int, remaining: int | None = None) -> None:
+        """The next steps run at a context of n_ctx tokens (AdaptiveDraft.at, for every drafter)."""
+        for c in (self.shared, *self.per.values()):
+            c.at(n_ctx, remaining)
+
+    def calibration_points(self, first: int, last: int, with_draft: bool) -> list[tuple[int, int]]:
+        return self.shared.calibration_points(first, last, with_draft)
+
+    def calibrate(self, n_ctx: int, target_s: float, draft_token_s: float | None, n_tokens: int = 1) -> None:
+        """A prefill's timing at n_ctx: the target's for all, the draft model's for its drafter."""
+        self.shared.calibrate(n_ctx, target_s, None, n_tokens)
+        if draft_token_s is not None and self.model in self.per:
+            self.per[self.model].calibrate(n_ctx, target_s, draft_token_s)
+
+    def wants_agreement(self) -> bool:
+        """Whether the draft model's prompt agreement would inform the next choice (AdaptiveDraft's)."""
+        return self.model in self.per and self.per[self.model].wants_agreement()
+
+    def seed_acceptance(self, n_agree: int, n: int) -> None:
+        """The draft model's prompt agreement (AdaptiveDraft.seed_acceptance)."""
+        self.per[self.model].seed_acceptance(n_agree, n)
+
+    @property
+    def n_seeds(self) -> int:
+        return self.per[self.model].n_seeds if self.model in self.per else 0
+
+    @property
+    def n_calibrations(self) -> int:
+        return self.shared.n_calibrations
+
+    @property
+    def n_batch_calibrations(self) -> int:
+        return self.shared.n_batch_calibrations
+
+    @property
+    def probe_interval(self) -> int:
+        """Plain steps between probes while plain decoding wins (doubling while they fail)."""
+        return self.schedule.interval
+
+    @property
+    def overhead(self) -> float:
+        """The per-step overhead, as measured over every step."""
+        return self.shared.overhead
+
+    def _best(self, name: str, limit: int, per_token: float = 0.0) -> tuple[int, float]:
+        """A drafter's best (k, tokens/s) within `limit` and its reach, on the shared verify cost and overhead."""
+        c, overhead = self.per[name], self.shared.overhead
+        return c.expected(c.reach(min(limit, self.cap), overhead), overhead, per_token)
+
+    def choose(self, limits: dict[str, int]) -> Choice:
+        """The drafter and draft length for the next step (Choice(None, 0): plain decoding); limits: the most each
+        available drafter may draft now (an n-gram proposal is only as long as what followed its match).
+
+        A drafter with a memory of the text (a draft model, an MTP head) must later decode every token emitted
+        without it: while it would beat plain decoding, each token another drafter or plain decoding emits is
+        charged its catch-up cost (catchup_s), so that a cheap n-gram step is not taken for free when it only
+        moves work to the model's next step."""
+        self.n_steps += 1
+        sh = self.shared
+        own = {name: self._best(name, limit) for name, limit in limits.items() if limit > 0}
+        plain = 1.0 / (sh.verify_s(1) + sh.overhead)
+        # the drafters that would be used (they beat plain decoding) and keep a memory to catch up
+        keep = {n: self.per[n].catchup_s() for n, (k, r) in own.items()
+                if k > 0 and r > plain and n not in self.memoryless}
+        best, best_k, best_rate = None, 0, 1.0 / (sh.verify_s(1) + sh.overhead + sum(keep.values()))
+        for name, (k, rate) in own.items():
+            charge = sum(v for n, v in keep.items() if n != name)
+            if charge > 0 and k > 0:
+                k, rate = self._best(name, limits[name], per_token=charge)
+            if k > 0 and rate > best_rate:
+                best, best_k, best_rate = name, k, rate
+        if keep:
+            self.n_charged += 1
+        if best is not None:
+            return self._draft(best, best_k, limits)
+        return self._plain_or_probe(limits)
+
+    def _draft(self, best: str, best_k: int, limits: dict[str, int]) -> Choice:
+        """Drafting wins this step: the best drafter's, unless another is due to be explored (_explore)."""
+        self.schedule.drafting()
+        self.explore_interval[best] = self.probe_min
+        self.per[best].chosen()
+        other = self._explore(best, limits)
+        if other is not None:
+            lim = min(limits[other], self.cap)
+            k, _ = self._best(other, lim)
+            self.n_probes += 1
+            return Choice(self._use(other), max(k, min(self.probe_k, lim)))
+        return Choice(self._use(best), best_k)
+
+    def _plain_or_probe(self, limits: dict[str, int]) -> Choice:
+        """Plain decoding wins this step: a probe of a drafter whose turn it is, else plain decoding.
+
+        A drafter tried too few times yet is probed every other step while the probes pay for themselves, and
+        spaced by their measured cost when they do not (AdaptiveDraft.min_evidence, thin_gap); the others every
+        probe_interval steps (or the drafter's own, longer when its probes cost more than probe_budget)."""
+        self.schedule.plain_step()
+        streak = self.schedule.plain_streak
+        due = [n for n, lim in limits.items() if lim > 0 and self.per[n].could_pay(min(lim, self.cap))
+               and streak > self.per[n].probe_gap(self.schedule.interval)
+               and self.per[n].may_probe(self.n_steps - self.last_used[n])]
+        if due:
+            name = min(due, key=lambda n: self.last_used[n])
+            self.schedule.probe(self.per[name].thin_evidence())
+            self.per[name].mark_probe()
+            self.n_probes += 1
+            return Choice(self._use(name), min(self.probe_k, limits[name], self.cap))
+        self.n_plain_steps += 1
+        return Choice(None, 0)
+
+    def _explore(self, best: str, limits: dict[str, int]) -> str | None:
+        """Another drafter to try this step instead of the best one, so that a drafter's estimate is not
+        frozen by one unlucky try while another wins every step (the text may change: a prompt to copy from
+        makes n-grams pay): one with a proposal now that was tried too few times yet (every other step), or
+        one not used for its exploration interval, which doubles up to probe_max while it keeps losing."""
+        for name, lim in limits.items():
+            if name == best or lim <= 0:
+                continue
+            c = self.per[name]
+            since = self.n_steps - self.last_used[name]
+            due = since >= 2 if c.thin_evidence() else since > self.explore_interval[name]
+            if due and c.could_pay(min(lim, self.cap)):
+                if not c.thin_evidence():
+                    self.explore_interval[name] = doubled(self.explore_interval[name], self.probe_max)
+                return name
+        return None
+
+    def _use(self, name: str) -> str:
+        self.last_used[name] = self.n_steps
+        self.n_chosen[name] += 1
+        return name
+
+    def observe(self, step: StepOutcome) -> None:
+        """Record one step (step.drafter None: plain decoding): the verify and overhead for all, the acceptance and
+        drafting costs for the drafter that drafted."""
+        self.shared.observe(replace(step, draft_token_s=None, first_token_s=None, catchup=None))
+        if step.drafter is not None and step.n_drafted:
+            self.per[step.drafter].observe(step)
+
+    def snapshot(self, limit: int | None = None) -> AdaptiveSnapshot:
+        """The snapshot of the drafter chosen most often (costs and plain steps as measured for all)."""
+        name = max(self.n_chosen, key=lambda n: self.n_chosen[n]) if self.per else None
+        snap = (self.per[name] if name else self.shared).snapshot(limit)
+        return replace(snap, verify_ms={b: v * 1e3 for b, v in sorted(self.shared.v_mean.items())},
+                       overhead_ms=self.shared.overhead * 1e3, n_calibrations=self.shared.n_calibrations,
+                       n_plain_steps=self.n_plain_steps, n_probes=self.n_probes)

@@ -1,0 +1,38 @@
+"""What a controller is told after each step (StepOutcome) and what the drafter chooser answers (Choice)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """One step's measurements (seconds). `draft_token_s`: per drafted token after the first, `first_token_s`: to
+    the first (None: not measured cleanly); `draft_s`: the whole drafting time, the draft's catch-up after plain
+    steps included; `overhead_s`: the step's time outside drafting and verifying; `catchup`: (n tokens, seconds)
+    of a long catch-up and the first drafted token together; `drafter`: whose draft it was (None: plain decoding;
+    only the drafter chooser reads it)."""
+
+    n_drafted: int
+    n_accepted: int
+    draft_token_s: float | None
+    verify_s: float
+    overhead_s: float
+    draft_s: float | None = None
+    first_token_s: float | None = None
+    catchup: tuple[int, float] | None = None
+    drafter: str | None = None
+
+    @property
+    def step_s(self) -> float:
+        """The step's whole time."""
+        return (self.draft_s or 0.0) + self.verify_s + self.overhead_s
+
+
+class Choice(NamedTuple):
+    """The drafter chooser's answer: which drafter drafts the next step (None: plain decoding) and at most how
+    many tokens."""
+
+    drafter: str | None
+    k: int
