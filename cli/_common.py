@@ -223,9 +223,9 @@ def draft_for_drafters(settings: GenerationSettings, draft: Path | None) -> Path
 
 def drafter_engine_options(settings: GenerationSettings) -> dict:
     """Engine options the drafters need: the target's MTP head for mtp (and for auto where it has one)."""
-    from ..native.core.settings import mtp_option
+    from ..native.drafters.registry import engine_options
 
-    return {"mtp": mtp_option(settings.drafters)}
+    return engine_options(settings.drafters)
 
 
 def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_min, temp, top_k, top_p, min_p, seed,

@@ -19,7 +19,7 @@ from ..errors import UsageError, check_text
 from ..native.commands.bench import DEFAULT_PROMPT, BenchConfig, load_prompt_set, run_bench, write_csv
 from ..native.commands.bench_plot import check_plot_available, plot_sweep
 from ..native.core.settings import GenerationSettings
-from ..native.drafters.ngram import drafts_without_model
+from ..native.drafters.registry import drafts_without_model
 from ..native.commands.placement import resolve_placement
 from .checks import check_output_path, pair_warning
 from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, parse_ctx_draft, CtxOpt, DeviceOpt,

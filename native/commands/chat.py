@@ -20,7 +20,7 @@ from ...errors import ContextFullError, SpecqError, UsageError, check_text
 from ..core.engine import Engine
 from ..core.settings import GenerationSettings
 from ..core.stats import GenerationStats, Rates, TokenEvent
-from ..drafters.ngram import drafts_without_model
+from ..drafters.registry import drafts_without_model
 
 log = logging.getLogger("specq.chat")
 
