@@ -62,8 +62,8 @@ class GenerationSettings:
     min_p: float = 0.05
     seed: int = 0
     accept: str = "auto"  # "match" | "rejection" | "auto" (rejection at temp > 0); temp 0 is always greedy
-    drafter: str = "model"  # "model", "ngram", "mtp", a comma list ("model,ngram": the n-gram's proposal on a
-    # match, else the model's) or "auto" (the adaptive controller chooses per step, plain decoding included)
+    drafter: str = "model"  # a registered drafter's name (native/drafters/registry.py), a comma list (the first with
+    # a proposal drafts) or "auto" (the adaptive controller chooses per step, plain decoding included)
     ngram_min: int = 3  # the shortest ending of the text an n-gram proposal needs to have seen before
     ngram_max: int = 6
 
