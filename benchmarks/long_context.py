@@ -87,7 +87,7 @@ def run_length(eng: Engine, toks: list[int], modes: list, n_predict: int, repeat
         for mode in modes:
             ses.rollback(base)
             ses._controllers.clear()  # auto: nothing measured before this run
-            ses.reset_window()  # nor a draft window chosen (--ctx-draft auto), as in a new session
+            ses.reader.trial.reset()  # nor a draft window chosen (--ctx-draft auto), as in a new session
             spec = mode != "plain"
             settings = GenerationSettings(n_predict=n_predict, draft_max=mode if spec else 8)
             g = ses.generate(toks[-TAIL:], settings, speculative=spec).run()

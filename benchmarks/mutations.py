@@ -52,7 +52,8 @@ MUTANTS = [
                        "rollbacks from a slid window never happen",
            (("native/llama/ffi.py", "params.swa_full = bool(swa_full)", "params.swa_full = True"),)),
     Mutant("ignore-eog", "end of generation ignored",
-           (("native/core/generation.py", "if is_eog:\n                        done = \"eog\"", "if False:\n                        done = \"eog\""),)),
+           (("native/core/generation.py", "if is_eog:\n                return events, \"eog\"",
+             "if False:\n                return events, \"eog\""),)),
     Mutant("draft-min-ignored", "--draft-min never drops a short draft",
            (("native/core/session.py", "if len(drafts) < s.draft_min:", "if False:"),)),
     Mutant("per-pos-exactly", "accepted_per_pos counts steps accepting exactly i+1, not at least i+1",
@@ -69,8 +70,8 @@ MUTANTS = [
             ("native/llama/ffi.py", 'if logits == "all" and n > self.n_batch:', "if False:"))),
     Mutant("wide-vocab-stop", "the draft samples its whole vocabulary and stops on an id the target lacks "
                               "(defect 3: the stop depends on the sampled value)",
-           (("native/core/session.py", "q = restrict(samp.draft_tf(row), n_vocab_tgt)", "q = samp.draft_tf(row)"),
-            ("native/core/session.py", "return None if stop else (tok, q)",
+           (("native/drafters/base.py", "q = restrict(samp.draft_tf(row), n_vocab_tgt)", "q = samp.draft_tf(row)"),
+            ("native/drafters/base.py", "return None if stop else (tok, q)",
              "return None if stop or tok >= n_vocab_tgt else (tok, q)"))),
     Mutant("count-unemitted", "n_drafted/n_accepted count draft tokens past an EOG or a stop inside a step "
                               "(defect 4)",

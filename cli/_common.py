@@ -231,7 +231,7 @@ def engine_config(target: Path, draft: Path | None, settings: GenerationSettings
     """The model-loading flags → the one EngineConfig a command hands down: the placement resolved (planner,
     --rpc probed), and the target's MTP head where the drafters need it."""
     from ..native.commands.placement import resolve_placement
-    from ..native.core.settings import mtp_option
+    from ..native.drafters.registry import engine_options
 
     tgt, dft = str(target), str(draft) if draft else None
     p = resolve_placement(tgt, dft, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft, vram_budget=vram_budget,
@@ -241,7 +241,7 @@ def engine_config(target: Path, draft: Path | None, settings: GenerationSettings
                         main_gpu=p.main_gpu, tensor_split=p.tensor_split, draft_tensor_split=p.draft_tensor_split,
                         devices=p.devices, draft_devices=p.draft_devices, draft_ctx=parse_ctx_draft(ctx_draft),
                         draft_threads=threads_draft, cpu_amx=p.cpu_amx, flash_attn=p.flash_attn,
-                        draft_flash_attn=p.draft_flash_attn, mtp=mtp_option(settings.drafters))
+                        draft_flash_attn=p.draft_flash_attn, **engine_options(settings.drafters))
 
 
 def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_min, temp, top_k, top_p, min_p, seed,

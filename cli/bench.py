@@ -19,7 +19,7 @@ from ..errors import UsageError
 from ..native.commands.bench import BenchConfig, load_prompt_set, read_prompts, run_bench, write_csv
 from ..native.commands.bench_plot import check_plot_available, plot_sweep
 from ..native.core.settings import GenerationSettings
-from ..native.drafters.ngram import drafts_without_model
+from ..native.drafters.registry import drafts_without_model
 from .checks import check_output_path, pair_warning
 from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, CtxOpt, DeviceOpt,
                       DraftDeviceOpt, DrafterOpt, DraftMaxOpt, draft_for_drafters, engine_config,

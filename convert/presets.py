@@ -98,7 +98,7 @@ def _check_drafter(settings: dict, where: str) -> None:
     """[settings] drafter (optional): model, ngram, mtp, a comma list of them, or auto."""
     if "drafter" not in settings:
         return
-    from ..native.drafters.ngram import parse_drafter
+    from ..native.drafters.registry import parse_drafter
 
     v = settings["drafter"]
     try:

@@ -10,7 +10,7 @@ import pytest
 import tinymodels
 
 import specq.native.core.generation as generation_mod
-import specq.native.core.session as session_mod
+import specq.native.drafters.window as window_mod
 from specq.errors import UsageError
 from specq.native.control.length import REACH_STEP, AdaptiveDraft
 from specq.native.control.step import StepOutcome
@@ -347,9 +347,10 @@ def test_at_long_context_a_draft_window_is_taken_where_it_is_faster(recent_pair)
         it = iter(gen)
         next(it)
         snap = gen.snapshot()
-        assert ses.n_window_trials == 1 and ses.window == WINDOW_TRIAL and ses.window_on_probation() is not None
+        trial = ses.reader.trial
+        assert trial.n_trials == 1 and ses.reader.window == WINDOW_TRIAL and trial.on_probation() is not None
         assert snap.n_drafted > 0 and snap.n_plain_steps == 0
-        assert ses.n_draft_slides == 0  # the trial's memory drafts: it did not slide and catch up
+        assert ses.reader.n_slides == 0  # the trial's memory drafts: it did not slide and catch up
         assert ses.dft.ctx is not e.dft_ctx  # ...from a context of its own, the whole context's memory untouched
         # the controller prices the draft at the window's cost from then on, not at the whole context's 26 ms
         assert ses.controller(auto).first_s() < 0.010
@@ -361,10 +362,10 @@ def test_at_long_context_a_draft_window_is_taken_where_it_is_faster(recent_pair)
         # decided again on the prompt's 32 rows and at least WINDOW_PROBATION of the answer's: the window agrees
         # there as well, and costs a quarter of the whole context's a token: it wins even if the whole context
         # agreed on every row, so the whole context's memory was not caught up to find out
-        whole, window = ses.window_evidence
+        whole, window = ses.reader.trial.evidence
         assert window[1] >= 32 + WINDOW_PROBATION and window[0] >= 0.9 * window[1]
-        assert whole == (32, 32) and ses.n_window_measures == 0
-        assert ses.window_on_probation() is None and ses.dft.ctx is e.dft_ctx  # kept: adopted
+        assert whole == (32, 32) and ses.reader.trial.n_measures == 0
+        assert ses.reader.trial.on_probation() is None and ses.dft.ctx is e.dft_ctx  # kept: adopted
         ses.reset()
         g = ses.generate(toks, auto).run()
         assert g.tokens == base.tokens and g.stats.draft_window == WINDOW_TRIAL
@@ -390,7 +391,7 @@ def test_with_drafter_auto_the_draft_model_is_compared_and_its_window_tried(rece
         g = ses.generate(toks, auto).run()
         assert g.tokens == plain.tokens
         assert ses.agreement is not None and ses.controller(auto).n_seeds == 1
-        assert g.stats.n_window_trials == 1 and ses.window_evidence is not None
+        assert g.stats.n_window_trials == 1 and ses.reader.trial.evidence is not None
         assert dict(g.stats.n_drafted_by).get("model", 0) > 0
 
 
@@ -408,13 +409,13 @@ def test_a_window_the_answer_does_not_bear_out_is_given_up_without_a_new_prefill
         decoded[name] += n
         return base(name, n) + (0.015 * pos0 * (1.0 + 0.2 * (n - 1)) / 1e3 if name == "target" else 0.0)
 
-    real, calls = session_mod.window_pays, []
+    real, calls = window_mod.window_pays, []
 
     def first_says_yes(*args, **kw):
         calls.append(args[:2])
         return True if len(calls) == 1 else real(*args, **kw)
 
-    monkeypatch.setattr(session_mod, "window_pays", first_says_yes)
+    monkeypatch.setattr(window_mod, "window_pays", first_says_yes)
     auto = GenerationSettings(n_predict=40, draft_max="auto")
     with Engine(*recent_pair, ctx=2048, threads=1, clock=SimulatedClock(cost)) as e:
         toks = long_prompt(e, 1600)
@@ -425,11 +426,11 @@ def test_a_window_the_answer_does_not_bear_out_is_given_up_without_a_new_prefill
         assert g.tokens == plain.tokens and len(set(g.tokens)) > 3
         # the verdict depended on the whole context's rows of the answer (the window agrees there, and is no
         # cheaper): they were measured, and both sides compared on the same rows
-        assert ses.n_window_measures == 1
-        whole, window = ses.window_evidence
+        assert ses.reader.trial.n_measures == 1
+        whole, window = ses.reader.trial.evidence
         assert len(calls) == 1 and whole[1] == window[1] >= 8 + WINDOW_PROBATION
         assert g.stats.n_window_trials == 1 and g.stats.n_window_reverts == 1 and g.stats.draft_window is None
-        assert ses.window is None and ses.dft.ctx is e.dft_ctx and ses.dft.offset == 0
+        assert ses.reader.window is None and ses.dft.ctx is e.dft_ctx and ses.dft.offset == 0
         assert ses.dft.tokens == ses.history[:len(ses.dft.tokens)]  # the whole history, caught up
         # the prompt once (1,600), the trial's window (~300) and the answer's rows: not a second prefill
         assert decoded["draft"] < 1600 + 400 + 3 * auto.n_predict
@@ -454,8 +455,8 @@ def test_a_draft_window_is_not_taken_where_it_is_no_cheaper(deep_target, tiny_ta
                     draft_ctx=draft_ctx) as e:
             ses = e.session()
             g = ses.generate(long_prompt(e, 1600), auto).run()
-            assert ses.window is None and ses.dft.offset == 0 and g.stats.draft_window is None
-            assert g.stats.n_window_trials == ses.n_window_trials == (1 if draft_ctx == "auto" else 0)
+            assert ses.reader.window is None and ses.dft.offset == 0 and g.stats.draft_window is None
+            assert g.stats.n_window_trials == ses.reader.trial.n_trials == (1 if draft_ctx == "auto" else 0)
             prompt_ms[draft_ctx] = g.stats.prompt_ms
     assert prompt_ms["auto"] > prompt_ms[0] + 20.0  # the draft decoded ~260 tokens more, 0.2 ms each here
 

@@ -209,7 +209,7 @@ def test_a_draft_window_slides_over_a_long_history_and_output_stays_the_targets(
         ses = e.session()
         g = ses.generate(toks, settings).run()
         assert g.tokens == base.tokens
-        assert g.stats.n_draft_slides > 0 and ses.n_draft_slides >= 2  # the prefill's slide and generation's
+        assert g.stats.n_draft_slides > 0 and ses.reader.n_slides >= 2  # the prefill's slide and generation's
         assert g.stats.n_drafted > 0 and g.stats.n_accepted > 0
         g2 = ses.generate(e.tokenize(" and then"), settings).run()  # a second turn
         assert g2.stats.n_drafted > 0

@@ -111,7 +111,7 @@ def reference_mtp_rows(path, history: list[int], drafts: list[int], pair_shift: 
 
 def engine_mtp_rows(ses, n_drafts: int) -> tuple[list[int], np.ndarray]:
     """The engine's MTP drafter after the session's history: its logits rows and greedy drafts."""
-    mtp = ses.mtp
+    mtp = ses.drafters["mtp"]
     a = mtp.missing_from()
     if a is not None:
         ses.tgt.truncate(a)
@@ -148,7 +148,7 @@ def test_the_head_sees_each_token_with_the_trunk_state_before_it(mtp_target):
         # the check can fail: the same history with token k paired with h_k instead of h_{k-1}
         wrong = reference_mtp_rows(mtp_target, ses.history, drafts, pair_shift=0)
         assert np.abs(wrong - ref).max() > 0.05
-        assert len(ses.mtp.rows.rows) <= 8  # trunk rows are dropped once the head has consumed them
+        assert len(ses.drafters["mtp"].rows.rows) <= 8  # trunk rows are dropped once the head has consumed them
 
         ses.rollback(len(ses.history) - 10)  # the rows the head needs now were dropped: the target re-evaluates
         drafts, rows = engine_mtp_rows(ses, 2)
@@ -162,14 +162,14 @@ def test_missing_trunk_rows_are_evaluated_again_and_the_output_stays_exact(mtp_t
         ses.generate(e.tokenize(PROMPTS[0]), s).run()
         ses.rollback(len(ses.history) - 6)  # a hybrid target re-evaluates from a checkpoint: rows come back
         ses.generate(e.tokenize(PROMPTS[1]), s).run()
-        assert ses.mtp.n_redecodes == 0
+        assert ses.drafters["mtp"].n_redecodes == 0
         # the head behind the target with the rows it needs gone (what a target memory that drops positions
         # without re-evaluating them would leave after a rollback)
         ses.rollback(len(ses.history) - 6)
-        ses.mtp.truncate(len(ses.history) - 8)
-        ses.mtp.rows.drop_before(len(ses.history))
+        ses.drafters["mtp"].truncate(len(ses.history) - 8)
+        ses.drafters["mtp"].rows.drop_before(len(ses.history))
         again = ses.generate(e.tokenize(PROMPTS[2]), s).run()
-        assert ses.mtp.n_redecodes == 1 and again.stats.n_drafted > 0
+        assert ses.drafters["mtp"].n_redecodes == 1 and again.stats.n_drafted > 0
         hist = list(ses.history)
     with Engine(mtp_target, None, ctx=256, threads=1) as ref:
         alone = ref.session().generate(hist[:-16], GenerationSettings(n_predict=16), speculative=False).run()

@@ -12,7 +12,8 @@ from specq.cli.main import app
 from specq.errors import UsageError
 from specq.native.core.engine import Engine
 from specq.native.core.settings import GenerationSettings
-from specq.native.drafters.ngram import parse_drafter, propose
+from specq.native.drafters.ngram import propose
+from specq.native.drafters.registry import parse_drafter
 from stats import chi2_pvalue
 from test_exactness import sampled_law, target_law
 

@@ -19,7 +19,7 @@ from ..core.engine import Engine
 from ..core.generation import Generation
 from ..core.settings import GenerationSettings
 from ..core.stats import GenerationStats
-from ..drafters.ngram import drafts_without_model
+from ..drafters.registry import drafts_without_model
 
 log = logging.getLogger("specq.bench")
 

@@ -21,7 +21,7 @@ from ..core.config import EngineConfig
 from ..core.engine import Engine
 from ..core.settings import GenerationSettings
 from ..core.stats import GenerationStats, Rates, TokenEvent
-from ..drafters.ngram import drafts_without_model
+from ..drafters.registry import drafts_without_model
 from ..serving.template import TemplateFormatter, load_template
 
 log = logging.getLogger("specq.chat")

@@ -12,12 +12,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ...errors import ModelFileError, UsageError
+from ...errors import UsageError
+from ..drafters.mtp import no_head_error
 from .config import choose_flash_attn
 from ..llama import ffi as _ffi
 from .compat import VocabInfo, check_compatible
 from .session import Session
-from .settings import AGREE_TOKENS, AUTO_DRAFT_CAP, DRAFT_MAX_CAP, GenerationSettings, MIN_DRAFT_WINDOW, physical_cores
+from .settings import AGREE_TOKENS, AUTO_DRAFT_CAP, DRAFT_MAX_CAP, MIN_DRAFT_WINDOW, physical_cores
 
 
 class SimulatedClock:
@@ -67,7 +68,7 @@ class Engine:
         `rollback_tokens`: on a recurrent/hybrid target, how many rejected tokens a verify can roll back through
         llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it.
         `flash_attn`/`draft_flash_attn`: on, off or auto: off for a model on the CPU alone, llama.cpp's choice
-        elsewhere (placement.choose_flash_attn: on the CPU flash attention decodes slower at long context).
+        elsewhere (config.choose_flash_attn: on the CPU flash attention decodes slower at long context).
         `mtp`: True loads the target's MTP head as a drafter (a target without one is refused), None loads it
         where the target has one (--drafter auto), False never.
         `draft_ctx`: the draft's context; smaller than ctx, the draft sees a window of that many recent tokens
@@ -93,8 +94,7 @@ class Engine:
         self.mtp_ctx = None
         try:
             if mtp is True and self.target.n_layer_nextn < 1:
-                raise ModelFileError(f"the target has no MTP layers ({self.target.path}); use --drafter model or "
-                                     "ngram, or a target converted with its MTP head")
+                raise no_head_error(self.target)
             if draft is not None:
                 self.draft = _ffi.Model(draft, n_gpu_layers=ngl_draft, main_gpu=main_gpu,
                                         tensor_split=draft_tensor_split, devices=draft_devices, cpu_amx=cpu_amx)
@@ -133,17 +133,6 @@ class Engine:
             for c in (self.tgt_ctx, self.dft_ctx, self.mtp_ctx):
                 if c is not None:
                     c.on_decode = clock.on_decode
-
-    def check_drafters(self, s: GenerationSettings) -> None:
-        """Refuse drafters this engine cannot run: a model without a draft, an MTP head the target lacks."""
-        names = s.drafters
-        if "mtp" in names and self.mtp_ctx is None:
-            if self.target.n_layer_nextn < 1:
-                raise ModelFileError(f"the target has no MTP layers ({self.target.path}); use --drafter model or "
-                                     "ngram, or a target converted with its MTP head")
-            raise UsageError("--drafter mtp needs the engine loaded with its MTP head (Engine(..., mtp=True))")
-        if "model" in names and self.draft is None:
-            raise UsageError("speculative decoding needs a draft model; pass --draft (or --drafter ngram or mtp)")
 
     def info(self, which: str = "target") -> ModelInfo:
         m = self.target if which == "target" else self.draft

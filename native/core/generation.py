@@ -8,13 +8,29 @@ from typing import Iterator, TYPE_CHECKING
 from ..control.chooser import AdaptiveDrafters
 from ..control.length import AdaptiveDraft
 from ..control.step import StepOutcome
+from ..drafters import registry
 from .accept import accepted_per_position
 from .sampling import Sampling
 from .settings import AGREE_TOKENS, GenerationSettings, WINDOW_PROBATION
 from .stats import GenerationStats, Progress, TokenEvent
 
 if TYPE_CHECKING:
-    from .session import Session
+    from .session import Session, StepResult
+
+
+def new_controller(ses: Session, s: GenerationSettings) -> AdaptiveDraft | AdaptiveDrafters:
+    """A new draft_max="auto" controller (Session.controller keeps one per sampling settings): one per drafter
+    under --drafter auto, else one for the drafters' list."""
+    eng = ses.engine
+    attention = eng.target.attention_per_context_token()
+    if s.drafters == (registry.AUTO,):
+        names = ses.available_drafters(s)
+        return AdaptiveDrafters(s.draft_cap, registry.cost_priors(eng, names), attention_prior=attention,
+                                model=ses.reader.name if ses.reader is not None else None,
+                                memoryless=[n for n in names if not ses.drafters[n].has_memory])
+    # an n-gram lookup costs next to nothing; a model about its share of the target's bytes
+    ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1) if eng.draft is not None else 0.01
+    return AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio, attention_prior=attention)
 
 
 class Generation:
@@ -42,6 +58,7 @@ class Generation:
 
     def _make_stats(self, stop: str, gen_s: float) -> GenerationStats:
         p, s, ctrl, samp = self._p, self.settings, self.controller, self._samp
+        slides, trials, reverts = self._window_counts()
         return GenerationStats(
             speculative=self.speculative, n_prompt=len(self.new_tokens), n_generated=len(self.tokens),
             n_steps=p.n_steps, n_drafted=p.n_drafted, n_accepted=sum(p.accepted),
@@ -49,10 +66,9 @@ class Generation:
             prompt_ms=p.prompt_s * 1e3, draft_ms=p.draft_s * 1e3, verify_ms=p.verify_s * 1e3,
             gen_ms=gen_s * 1e3, decode_ms=(self._decode_s() - p.decode0) * 1e3,
             n_restores=self.session.n_restores - p.restores0, n_rollbacks=self.session.n_rollbacks - p.rollbacks0,
-            n_draft_slides=self.session.n_draft_slides - p.slides0,
-            draft_window=self.session.window if self.speculative else None,
-            n_window_trials=self.session.n_window_trials - p.trials0,
-            n_window_reverts=self.session.n_window_reverts - p.reverts0,
+            n_draft_slides=slides - p.slides0,
+            draft_window=self._window() if self.speculative else None,
+            n_window_trials=trials - p.trials0, n_window_reverts=reverts - p.reverts0,
             stop_reason=stop,
             accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
                 "greedy" if s.temp <= 0 else "sample"),
@@ -76,115 +92,148 @@ class Generation:
 
     def __iter__(self) -> Iterator[TokenEvent]:
         ses, s, p = self.session, self.settings, self._p
-        eng = ses.engine
-        auto_drafter = s.drafters == ("auto",)
+        self._prefill()
+        samp = self._samp = Sampling(s, self.speculative)
+        if self.controller is not None:
+            p.plain0, p.probes0 = self.controller.n_plain_steps, self.controller.n_probes
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        stop = "interrupted"  # until the loop ends by itself
+        p.decode0 = self._decode_s()
+        p.restores0, p.rollbacks0, p.slides0 = ses.n_restores, ses.n_rollbacks, self._window_counts()[0]
+        p.t_gen0 = self._clock()
+        try:
+            while True:
+                remaining = None if s.n_predict is None else s.n_predict - len(self.tokens)
+                done = self._stop_before_step(remaining)
+                if done:
+                    stop = done
+                    break
+                t_step = self._clock()
+                n_draft_max, drafters = self._plan(remaining)
+                step = ses._step(s, samp, max(n_draft_max, 0), drafters)
+                p.n_steps += 1
+                p.draft_s += step.draft_s
+                p.verify_s += step.verify_s
+                events, done = self._emit(step, utf8, remaining)
+                if self.speculative:
+                    p.count_step(step, len(events))
+                ses._rewind()
+                self._observe(step, t_step)
+                yield from self._deliver(step, events)
+                if done:
+                    stop = done
+                    break
+            self._settle_window(finished=True)
+        finally:
+            self._end(stop, samp, utf8)
+
+    def _stop_before_step(self, remaining: int | None) -> str | None:
+        if remaining is not None and remaining <= 0:
+            return "n_predict"
+        if len(self.session.history) >= self.session.n_ctx:
+            return "ctx"
+        return None
+
+    def _prefill(self) -> None:
+        """Evaluate the prompt. Where nothing was measured at this context yet, the prefill times single tokens
+        on each model, so that the first step is priced at this context (at thousands of tokens attention changes
+        the costs). Before the draft model was tried enough, it also compares the reader's greedy choices with the
+        target's over the prompt's last rows (greedy decoding: acceptance is exactly that agreement)."""
+        ses, s, p = self.session, self.settings, self._p
+        auto_drafter = s.drafters == (registry.AUTO,)
         ctrl = ses.controller(s) if self.speculative and (s.adaptive or auto_drafter) else None
-        ses._attach_mtp(self.speculative and any(n in ("mtp", "auto") for n in s.drafters))
+        ses.attach(s, self.speculative)
         self.controller = ctrl
-        with_draft = ses.dft is not None and "model" in ses.available_drafters(s)
+        reader = ses.reader if ses.reader is not None and ses.reader.name in ses.available_drafters(s) else None
         tp0 = self._clock()
-        p.trials0, p.reverts0 = ses.n_window_trials, ses.n_window_reverts
-        # Where nothing was measured at this context yet, the prefill times single tokens on each model, so
-        # that the first step is priced at this context (at thousands of tokens attention changes the costs).
-        # Before the draft model was tried enough, the prefill also compares its greedy choices with the target's
-        # over the prompt's last rows (greedy decoding: acceptance is exactly that agreement).
-        greedy_model = ctrl is not None and with_draft and s.temp <= 0
-        wants = greedy_model and ctrl.wants_agreement()
-        # --ctx-draft auto: at a long context, whether a draft window would be faster (Session.try_window)
-        trial = greedy_model and ses.window_trial_due(len(self.new_tokens))
-        agree = AGREE_TOKENS if wants or trial else 0
+        p.trials0, p.reverts0 = self._window_counts()[1:]
+        greedy_reader = ctrl is not None and reader is not None and s.temp <= 0
+        wants = greedy_reader and ctrl.wants_agreement()
+        # --ctx-draft auto: at a long context, whether a draft window would be faster (drafters/window.py)
+        trial = greedy_reader and reader.trial.due(len(self.new_tokens))
         timed = ses.prefill(self.new_tokens,
-                            timed=(lambda first, last: ctrl.calibration_points(first, last, with_draft))
-                            if ctrl is not None else None, agree=agree)
+                            timed=(lambda first, last: ctrl.calibration_points(first, last, reader is not None))
+                            if ctrl is not None else None, agree=AGREE_TOKENS if wants or trial else 0)
         for pos, n, target_s, draft_s in timed:
             ctrl.calibrate(pos, target_s, draft_s, n)
         agreement = ses.agreement
         if trial and agreement is not None:
             ctrl.at(len(ses.history))
-            drafter = ctrl.per["model"] if auto_drafter else ctrl
-            agreement = ses.try_window(drafter, self._overhead()) or agreement
+            own = ctrl.per[reader.name] if auto_drafter else ctrl
+            agreement = reader.trial.try_window(own, self._overhead()) or agreement
         if wants and agreement is not None:
             ctrl.seed_acceptance(*agreement)
         p.prompt_s = self._clock() - tp0
 
-        samp = self._samp = Sampling(s, self.speculative)
+    def _plan(self, remaining: int | None) -> tuple[int, tuple[str, ...] | None]:
+        """This step's draft length and drafters (None: --drafter's list; under auto the controller's choice,
+        () for plain decoding)."""
+        ses, s, ctrl = self.session, self.settings, self.controller
+        if not self.speculative:
+            return 0, None
+        n_draft_max = min(s.draft_cap, ses.n_ctx - len(ses.history) - 1)
+        if remaining is not None:
+            n_draft_max = min(n_draft_max, remaining - 1)
+        if ctrl is None:
+            return n_draft_max, None
+        ctrl.at(len(ses.history), remaining)
+        if isinstance(ctrl, AdaptiveDrafters):
+            name, n_draft_max = ctrl.choose(ses.auto_limits(s, max(n_draft_max, 0)))
+            return n_draft_max, (name,) if name else ()
+        return ctrl.choose(n_draft_max), None
+
+    def _observe(self, step: StepResult, t_step: float) -> None:
+        """Tell the controller what the step drafted, accepted and cost; settle a draft window on probation."""
+        ctrl = self.controller
         if ctrl is not None:
-            p.plain0, p.probes0 = ctrl.n_plain_steps, ctrl.n_probes
-        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        stop = "interrupted"
-        p.decode0 = self._decode_s()
-        p.restores0, p.rollbacks0, p.slides0 = ses.n_restores, ses.n_rollbacks, ses.n_draft_slides
-        p.t_gen0 = self._clock()
+            ctrl.observe(StepOutcome(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
+                                     self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s,
+                                     step.first_token_s, step.catchup, drafter=step.drafter))
+        self._settle_window(finished=False)
+
+    def _emit(self, step: StepResult, utf8, remaining: int | None) -> tuple[list[TokenEvent], str | None]:
+        """Commit the step's tokens to the history, up to an end of generation or n_predict."""
+        eng, p = self.session.engine, self._p
+        events = []
+        for i, tok in enumerate(step.emitted):
+            self.session.history.append(tok)
+            self.tokens.append(tok)
+            is_eog = eng.target.is_eog(tok)
+            piece = "" if is_eog else utf8.decode(eng.target.piece(tok))
+            self._text.append(piece)
+            events.append(TokenEvent(tok, piece, i < len(step.emitted) - 1, p.n_steps - 1))
+            if is_eog:
+                return events, "eog"
+            if remaining is not None and len(self.tokens) >= self.settings.n_predict:
+                return events, "n_predict"
+        return events, None
+
+    def _deliver(self, step: StepResult, events: list[TokenEvent]) -> Iterator[TokenEvent]:
+        n_read = 0
         try:
-            while True:
-                remaining = None if s.n_predict is None else s.n_predict - len(self.tokens)
-                if remaining is not None and remaining <= 0:
-                    stop = "n_predict"
-                    break
-                if len(ses.history) >= ses.n_ctx:
-                    stop = "ctx"
-                    break
-                n_draft_max = 0
-                drafters = None  # None: --drafter's list; auto names this step's choice (() for plain decoding)
-                if self.speculative:
-                    n_draft_max = min(s.draft_cap, ses.n_ctx - len(ses.history) - 1)
-                    if remaining is not None:
-                        n_draft_max = min(n_draft_max, remaining - 1)
-                    if ctrl is not None:
-                        t_step = self._clock()
-                        ctrl.at(len(ses.history), remaining)
-                        if auto_drafter:
-                            name, n_draft_max = ctrl.choose(ses._auto_limits(s, max(n_draft_max, 0)))
-                            drafters = (name,) if name else ()
-                        else:
-                            n_draft_max = ctrl.choose(n_draft_max)
-                step = ses._step(s, samp, max(n_draft_max, 0), drafters)
-                p.n_steps += 1
-                p.draft_s += step.draft_s
-                p.verify_s += step.verify_s
-                done = None
-                events = []
-                for i, tok in enumerate(step.emitted):
-                    ses.history.append(tok)
-                    self.tokens.append(tok)
-                    is_eog = eng.target.is_eog(tok)
-                    piece = "" if is_eog else utf8.decode(eng.target.piece(tok))
-                    self._text.append(piece)
-                    events.append(TokenEvent(tok, piece, i < len(step.emitted) - 1, p.n_steps - 1))
-                    if is_eog:
-                        done = "eog"
-                        break
-                    if remaining is not None and len(self.tokens) >= s.n_predict:
-                        done = "n_predict"
-                        break
-                if self.speculative:
-                    p.count_step(step, len(events))
-                ses._rewind()
-                if ctrl is not None:
-                    ctrl.observe(StepOutcome(
-                        step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
-                        self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s, step.first_token_s,
-                        step.catchup, drafter=step.drafter))
-                rows = ses.window_on_probation()
-                if rows is not None and rows >= WINDOW_PROBATION:
-                    ses.settle_window(self._overhead())
-                n_read = 0
-                try:
-                    for ev in events:
-                        yield ev
-                        n_read += 1
-                except GeneratorExit:  # the consumer stopped inside this step (a stop string, Ctrl-C)
-                    if self.speculative and n_read + 1 < len(events):
-                        p.count_step(step, len(events), sign=-1)
-                        p.count_step(step, n_read + 1)
-                    raise
-                if done:
-                    stop = done
-                    break
-            if ses.window_on_probation() is not None:  # an answer shorter than the probation
-                ses.settle_window(self._overhead())
+            for ev in events:
+                yield ev
+                n_read += 1
+        except GeneratorExit:  # the consumer stopped inside this step (a stop string, Ctrl-C)
+            if self.speculative and n_read + 1 < len(events):
+                self._p.count_step(step, len(events), sign=-1)
+                self._p.count_step(step, n_read + 1)
+            raise
+
+    def _settle_window(self, finished: bool) -> None:
+        """A draft window on probation is kept or given up after WINDOW_PROBATION rows of the answer, or at its
+        end where the answer is shorter."""
+        reader = self.session.reader
+        rows = reader.trial.on_probation() if reader is not None else None
+        if rows is not None and (finished or rows >= WINDOW_PROBATION):
+            reader.trial.settle(self._overhead())
+
+    def _end(self, stop: str, samp: Sampling, utf8) -> None:
+        ses, p = self.session, self._p
+        try:
+            if ses.reader is not None:
+                ses.reader.trial.abandon()  # interrupted on probation: the whole context's memory again
         finally:
-            ses.abandon_window()  # interrupted on probation: the whole context's memory again
             gen_s = self._clock() - p.t_gen0
             try:
                 ses._rewind()
@@ -194,6 +243,16 @@ class Generation:
                 if tail:
                     self._text.append(tail)
                 self.stats = self._make_stats(stop, gen_s)
+
+    def _window(self) -> int | None:
+        """The recent tokens the reader sees (None: the whole context)."""
+        r = self.session.reader
+        return r.window if r is not None else self.session.engine.draft_window
+
+    def _window_counts(self) -> tuple[int, int, int]:
+        """The reader's window slides, trials and reverts so far (0s without one)."""
+        r = self.session.reader
+        return (r.n_slides, r.trial.n_trials, r.trial.n_reverts) if r is not None else (0, 0, 0)
 
     def _overhead(self) -> float:
         """The draft model's controller's per-step overhead (--drafter auto: the one all drafters share)."""

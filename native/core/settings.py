@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass
 
 from ...errors import UsageError
-from ..drafters.ngram import parse_drafter
 
 # The largest draft the target context is sized for (its output rows per verify are draft_max + 1).
 DRAFT_MAX_CAP = 64
@@ -15,15 +14,15 @@ AUTO_DRAFT_CAP = 16
 AGREE_TOKENS = 32  # prompt rows compared between target and draft before the first draft (Session.prefill's agree)
 AGREE_MIN = 4
 MIN_DRAFT_WINDOW = 2 * (DRAFT_MAX_CAP + 2)  # a window slides to half its size, leaving room for a whole draft
-DRAFT_SINK = 4  # the history's first tokens a draft window keeps (Session._fit_draft)
+DRAFT_SINK = 4  # the history's first tokens a draft window keeps (drafters/model.py: ModelDrafter.fit)
 # --ctx-draft auto: at a long context a session times a draft that sees only this many recent tokens against the
-# whole-context one, and keeps the faster (Session.try_window); first at WINDOW_TRIAL_MIN tokens, again when
+# whole-context one, and keeps the faster (drafters/window.py); first at WINDOW_TRIAL_MIN tokens, again when
 # the context has doubled
 WINDOW_TRIAL = 512
 WINDOW_TRIAL_MIN = 3 * WINDOW_TRIAL
 WINDOW_TIMINGS = 3  # single-token decodes timed on each side of a window trial (the fastest counts)
 # A window the trial took on the prompt's rows is kept once it agrees with the target on this many rows of the
-# answer about as well as the whole context does (Session.settle_window); until then the whole context's memory
+# answer about as well as the whole context does (DraftWindow.settle); until then the whole context's memory
 # waits untouched, so that giving the window up costs no new prefill
 WINDOW_PROBATION = 24
 ACCEPT_MODES = ("auto", "match", "rejection")
@@ -63,14 +62,16 @@ class GenerationSettings:
     min_p: float = 0.05
     seed: int = 0
     accept: str = "auto"  # "match" | "rejection" | "auto" (rejection at temp > 0); temp 0 is always greedy
-    drafter: str = "model"  # "model", "ngram", "mtp", a comma list ("model,ngram": the n-gram's proposal on a
-    # match, else the model's) or "auto" (the adaptive controller chooses per step, plain decoding included)
+    drafter: str = "model"  # a registered drafter's name (native/drafters/registry.py), a comma list (the first with
+    # a proposal drafts) or "auto" (the adaptive controller chooses per step, plain decoding included)
     ngram_min: int = 3  # the shortest ending of the text an n-gram proposal needs to have seen before
     ngram_max: int = 6
 
     @property
     def drafters(self) -> tuple[str, ...]:
-        """The drafters in the order each step tries them (native/drafters/ngram.py)."""
+        """The drafters in the order each step tries them (native/drafters/registry.py)."""
+        from ..drafters.registry import parse_drafter  # (the drafters import these settings)
+
         return parse_drafter(self.drafter)
 
     @property
@@ -117,7 +118,3 @@ class GenerationSettings:
                              f"{self.ngram_max})")
         return self
 
-
-def mtp_option(drafters: tuple[str, ...]) -> bool | None:
-    """Engine(mtp=...) for these drafters: required for mtp, where present for auto, else not loaded."""
-    return True if "mtp" in drafters else (None if drafters == ("auto",) else False)

@@ -65,8 +65,8 @@ class GenerationStats(Rates):
     n_draft_slides: int = 0  # times the draft's window moved on (a --ctx-draft smaller than --ctx)
     draft_window: int | None = None  # the recent tokens the draft sees at the end (None: the whole context)
     n_window_trials: int = 0  # --ctx-draft auto: windowed drafts timed against the whole-context one
-    n_window_reverts: int = 0  # windows a trial took and the answer's rows then gave up (Session.settle_window)
-    n_drafted_by: tuple[tuple[str, int], ...] = ()  # per drafter ("model", "ngram", "mtp")
+    n_window_reverts: int = 0  # windows a trial took and the answer's rows then gave up (DraftWindow.settle)
+    n_drafted_by: tuple[tuple[str, int], ...] = ()  # per drafter, by its registry name
     n_accepted_by: tuple[tuple[str, int], ...] = ()
     # The cost model's inputs (native/control/report.py): what each step drafted, verified and cost.
     steps_by_k: tuple[tuple[int, int], ...] = ()  # (verified draft length, steps)

@@ -10,11 +10,27 @@ from every target decode (`on_hidden`); they are kept only until the head has co
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from ..llama import ffi as _ffi
+from ...errors import ModelFileError, UsageError
+from ..core.memory import common_prefix
+from ..core.sampling import Sampling
+from .base import CATCHUP_SHORT, Drafter, Proposal, pick_loop, timed
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+    from ..core.session import Session
+    from ..core.settings import GenerationSettings
 
 FLUSH_ROWS = 256  # rows kept before the head catches up on committed positions (bounds memory on long prompts)
+
+
+def no_head_error(target) -> ModelFileError:
+    """The error for a target without MTP layers asked to draft with them."""
+    return ModelFileError(f"the target has no MTP layers ({target.path}); use --drafter model or ngram, or a target "
+                          "converted with its MTP head")
 
 
 class HiddenRows:
@@ -50,16 +66,74 @@ class HiddenRows:
             self.p0 = cut
 
 
-class MtpDrafter:
-    """One session's use of the engine's MTP context: the head's cache of committed positions and the trunk rows
-    it still needs. `history` is the session's committed token list (read, never changed here)."""
+class MtpDrafter(Drafter):
+    """--drafter mtp: one session's use of the engine's MTP context: the head's cache of committed positions and
+    the trunk rows it still needs. `history` is the session's committed token list (read, never changed here)."""
 
-    def __init__(self, ctx: _ffi.MtpContext, history: list[int]):
-        self.ctx = ctx
-        self.history = history
+    name = "mtp"
+
+    def __init__(self, session: Session):
+        super().__init__(session)
+        self.ctx = session.engine.mtp_ctx
+        self.history = session.history
         self.tokens: list[int] = []  # t_0..t_{m-1}: what the head's memory holds, each paired with h_{k-1}
-        self.rows = HiddenRows(ctx.n_embd)
+        self.rows = HiddenRows(self.ctx.n_embd)
         self.n_redecodes = 0  # target re-decodes forced by missing trunk rows (after a rollback)
+
+    @classmethod
+    def available(cls, engine: Engine) -> bool:
+        return engine.mtp_ctx is not None
+
+    @classmethod
+    def check(cls, engine: Engine) -> None:
+        if engine.mtp_ctx is None:
+            if engine.target.n_layer_nextn < 1:
+                raise no_head_error(engine.target)
+            raise UsageError("--drafter mtp needs the engine loaded with its MTP head (Engine(..., mtp=True))")
+
+    @classmethod
+    def cost_prior(cls, engine: Engine) -> float:
+        """One decoder layer of the target's, and its output head."""
+        return min(1.0, 2.0 / max(engine.target.n_layer, 1))
+
+    @classmethod
+    def engine_options(cls, drafters: tuple[str, ...]) -> dict:
+        """Engine(mtp=...): required for mtp, where present for auto, else not loaded."""
+        return {"mtp": True if cls.name in drafters else (None if drafters == ("auto",) else False)}
+
+    def attach(self, on: bool) -> None:
+        """Route the target's hidden states to this drafter (the engine's contexts are shared), or stop them where
+        no step can draft with it (the target alone pays nothing for the head). Rows missed meanwhile are
+        evaluated again when the head next drafts (missing_from)."""
+        tgt_ctx = self.session.engine.tgt_ctx
+        want = self.on_hidden if on else None
+        if tgt_ctx.on_hidden != want:
+            tgt_ctx.output_hidden(want)
+
+    def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
+        """Draft with the target's MTP head, as a draft model does (the same picking, the same timings)."""
+        ses = self.session
+        clock = ses.engine.clock
+        a = self.missing_from()
+        if a is not None:  # the trunk rows from there were dropped (a rollback): the target evaluates them again
+            ses.tgt.truncate(a)
+            ses.tgt.extend(self.history[len(ses.tgt.tokens):-1], logits="none")
+            self.n_redecodes += 1
+        t_catchup, catchup = clock(), len(self.history) - len(self.tokens)
+        if catchup > CATCHUP_SHORT:  # a long catch-up (after plain steps) is prefill-like:
+            self.catch_up(len(self.history) - 1)  # decoded apart, so the first token's cost stays clean
+        t_first = clock()
+        self.begin()
+        t_loop = clock()
+        try:
+            drafts, dists = pick_loop(self.ctx.logits, self.advance, n_max, s.p_min, samp,
+                                      ses.engine.target.n_vocab, clock)
+        finally:
+            self.end()
+        return timed(drafts, dists, catchup, t_catchup, t_first, t_loop, clock())
+
+    def rewind(self) -> None:
+        self.truncate(common_prefix(self.tokens, self.history))
 
     def clear(self) -> None:
         self.tokens.clear()

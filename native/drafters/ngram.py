@@ -7,36 +7,15 @@ probability p(x) and on rejection samples from p with x removed — exact, like 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, TYPE_CHECKING
 
 import numpy as np
 
-from ..core.sampling import SparseDist
+from ..core.sampling import Sampling, SparseDist
+from .base import Drafter, Proposal
 
-DRAFTERS = ("model", "ngram", "mtp")  # --drafter takes one of these, a comma list (n-gram first), or auto
-
-
-def parse_drafter(text: str) -> tuple[str, ...]:
-    """--drafter model | ngram | mtp | a comma list | auto → the drafters in the order they are tried
-    (("auto",) for auto: the adaptive controller chooses among the available ones each step)."""
-    from ...errors import UsageError
-
-    names = tuple(x.strip() for x in str(text).split(",") if x.strip())
-    if names == ("auto",):
-        return names
-    if not names or any(n not in DRAFTERS for n in names) or len(set(names)) != len(names):
-        raise UsageError(f"--drafter must be model, ngram, mtp, a comma list of them, or auto ({text})")
-    # A model's (or MTP head's) proposal always exists, an n-gram one only on a match: the n-gram goes first.
-    return tuple(sorted(names, key=lambda n: n != "ngram"))
-
-
-def needs_draft_model(drafters: tuple[str, ...]) -> bool:
-    return "model" in drafters
-
-
-def drafts_without_model(drafters: tuple[str, ...]) -> bool:
-    """Whether these drafters can speculate with no draft model loaded (n-gram lookup, the MTP head, auto)."""
-    return any(n in ("ngram", "mtp", "auto") for n in drafters)
+if TYPE_CHECKING:
+    from ..core.settings import GenerationSettings
 
 
 def propose(tokens: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -61,3 +40,19 @@ def propose(tokens: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:
 def point_mass(token: int) -> SparseDist:
     """The n-gram drafter's proposal distribution for one token."""
     return SparseDist(np.array([token], np.int32), np.array([1.0]))
+
+
+class NgramDrafter(Drafter):
+    """--drafter ngram: lookup in the text so far (--ngram-min/--ngram-max); its drafting cost is not measured."""
+
+    name = "ngram"
+    on_match_only = True
+    has_memory = False
+
+    def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
+        drafts = propose(self.session.history, s.ngram_min, s.ngram_max, n_max)
+        return Proposal(drafts, [point_mass(t) for t in drafts] if samp.draft_tf else [])
+
+    def limit(self, n_max: int, s: GenerationSettings) -> int:
+        """A proposal exists only on a match, and is as long as what followed it."""
+        return len(propose(self.session.history, s.ngram_min, s.ngram_max, n_max))

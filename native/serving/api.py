@@ -13,7 +13,7 @@ from ... import __version__
 from ...errors import SpecqError, UsageError, check_text
 from ..core.settings import ACCEPT_MODES, DRAFT_MAX_CAP, GenerationSettings
 from ..core.stats import GenerationStats
-from ..drafters.ngram import parse_drafter
+from ..drafters.registry import parse_drafter
 
 MAX_STOPS = 16  # OpenAI allows 4; llama-server takes any number. A bound keeps the per-token scan cheap.
 # Fields OpenAI defines that this server cannot honour: refused, never silently ignored.

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 from ...errors import SpecqError
 from ..core.engine import Engine
 from ..core.settings import GenerationSettings
-from ..drafters.ngram import drafts_without_model
+from ..drafters.registry import drafts_without_model
 from .api import ApiError, Outcome
 
 if TYPE_CHECKING:

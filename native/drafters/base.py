@@ -1,0 +1,168 @@
+"""The drafter interface: what a drafter gives a speculative step, and the pick loop the model-like ones share.
+
+Glossary (every drafter, native/drafters/*.py, speaks these words):
+- drafter: proposes up to n tokens to follow the session's committed history; the target verifies them in one pass
+  and keeps the longest prefix its own rule accepts, so any drafter is exact (only speed depends on it).
+- proposal (`Proposal`): the tokens, their proposal distributions (rejection sampling only; a point mass for a
+  drafter that picks deterministically), and what drafting them cost.
+- first-token seconds: from the step's start to the first drafted token, a short catch-up (at most CATCHUP_SHORT
+  tokens the drafter had not seen) included; per-token seconds: each further drafted token.
+- long catch-up (`CatchUp`): a drafter with a memory of the text that fell further behind (after steps it did not
+  draft) decodes those tokens first, prefill-like; reported apart so that the first token's cost stays clean.
+- rewind: make the drafter's memory hold no more than the committed history (after a verify rejected drafts).
+- reads_prompt: a drafter with a memory of the whole prompt (a draft model): prefill evaluates the prompt on it,
+  times it and compares its greedy choices with the target's (at most one per session: `Session.reader`).
+- on_match_only: a drafter whose proposal exists only sometimes (an n-gram match): tried first in a list, and
+  passed over where it has nothing.
+- has_memory: a drafter that must decode every committed token before it drafts (a model, an MTP head): tokens
+  others emit cost it a catch-up, which the drafter chooser charges to them; an n-gram lookup has none.
+
+Adding a drafter: one module here with a `Drafter` subclass, and one entry in registry.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, NamedTuple, TYPE_CHECKING
+
+import numpy as np
+
+from ..core.accept import top_probability
+from ..core.sampling import Sampling, SparseDist, restrict, sample
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+    from ..core.session import Session
+    from ..core.settings import GenerationSettings
+
+CATCHUP_SHORT = 2  # a catch-up of at most this many tokens is part of the first drafted token's cost
+
+
+class CatchUp(NamedTuple):
+    """A long catch-up: the tokens decoded before drafting, and the seconds up to the first drafted token."""
+
+    tokens: int
+    seconds: float
+
+
+class Agreement(NamedTuple):
+    """Rows where a drafter's greedy choice was the target's, of the rows compared (teacher-forced acceptance)."""
+
+    agree: int
+    rows: int
+
+
+@dataclass
+class Proposal:
+    """One step's draft: the tokens, their distributions (rejection mode, else empty) and the drafting cost."""
+
+    tokens: list[int] = field(default_factory=list)
+    dists: list[SparseDist] = field(default_factory=list)
+    first_token_s: float | None = None  # seconds to the first drafted token (a short catch-up included), where clean
+    token_s: float | None = None  # seconds per further drafted token (None below two tokens)
+    catchup: CatchUp | None = None  # a long catch-up before the first token
+
+
+class Drafter:
+    """The drafter protocol (see the module's glossary), with the defaults most drafters keep. Class attributes and
+    class methods describe the kind (the registry reads them before any session exists); an instance belongs to
+    one `Session` and reads its committed history (`session.history`), never changing it."""
+
+    name: ClassVar[str]
+    needs_draft_model: ClassVar[bool] = False  # runs only with a draft model loaded (Engine(draft=...))
+    on_match_only: ClassVar[bool] = False
+    reads_prompt: ClassVar[bool] = False
+    has_memory: ClassVar[bool] = True  # decodes every committed token (a catch-up after steps it did not draft)
+
+    def __init__(self, session: Session):
+        self.session = session
+
+    @classmethod
+    def available(cls, engine: Engine) -> bool:
+        """Whether this engine can run it (a session builds only the available drafters)."""
+        return True
+
+    @classmethod
+    def check(cls, engine: Engine) -> None:
+        """Raise an actionable error where this engine cannot run it (it was asked for by name)."""
+
+    @classmethod
+    def cost_prior(cls, engine: Engine) -> float:
+        """Its cost per drafted token before any is measured, as a share of one target token (--drafter auto)."""
+        return 0.01
+
+    @classmethod
+    def engine_options(cls, drafters: tuple[str, ...]) -> dict:
+        """Engine(...) options it needs loaded for --drafter's list (("auto",) for auto)."""
+        return {}
+
+    def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
+        """Up to n_max tokens to follow the history (n_max >= 1)."""
+        raise NotImplementedError
+
+    def limit(self, n_max: int, s: GenerationSettings) -> int:
+        """The most it could propose now, at most n_max (--drafter auto weighs drafters by it)."""
+        return n_max
+
+    def attach(self, on: bool) -> None:
+        """A generation begins that may (on) or may not draft with it: start or stop work it does meanwhile."""
+
+    def rewind(self) -> None:
+        """Hold no more than the committed history (after a verify, a rollback or a new prompt)."""
+
+    def clear(self) -> None:
+        """Forget everything (a reset session)."""
+
+    n_restores: int = 0  # checkpoint restores of its memory so far (Session.n_restores)
+    n_rollbacks: int = 0  # recurrent/hybrid tails it dropped through snapshots so far
+    decode_s: float = 0.0  # llama_decode time on contexts of its own (not the engine's)
+
+
+def pick(row: np.ndarray, p_min: float, samp: Sampling, n_vocab_tgt: int,
+         clock: Callable[[], float]) -> tuple[int, SparseDist | None] | None:
+    """The next draft token from a drafter's logits row (greedy, or sampled from its transformed distribution
+    under rejection), or None to stop drafting (top probability below p_min, or an id the target lacks)."""
+    if samp.draft_tf is None:
+        tok = int(row.argmax())
+        if tok >= n_vocab_tgt or (p_min > 0 and top_probability(row) < p_min):
+            return None
+        return tok, None
+    # Sample only ids the target has (renormalised): stopping on a sampled id it lacks would make the stop
+    # depend on the sampled value and bias the output law.
+    ts = clock()
+    q = restrict(samp.draft_tf(row), n_vocab_tgt)
+    stop = q is None or (p_min > 0 and q.top_prob() < p_min)
+    tok = -1 if stop else sample(q, samp.rng)
+    samp.sample_s += clock() - ts
+    return None if stop else (tok, q)
+
+
+def pick_loop(row: Callable[[], np.ndarray], advance: Callable[[int, int], None], n_max: int, p_min: float,
+              samp: Sampling, n_vocab_tgt: int, clock: Callable[[], float]) -> tuple[list[int], list[SparseDist]]:
+    """Draft from a model-like drafter: pick from `row()` (the logits after the last token fed), then
+    `advance(token, i)` feeds drafted token i (from 1), until pick stops or n_max tokens are drafted."""
+    drafts: list[int] = []
+    dists: list[SparseDist] = []
+    while True:
+        got = pick(row(), p_min, samp, n_vocab_tgt, clock)
+        if got is None:
+            break
+        drafts.append(got[0])
+        if got[1] is not None:
+            dists.append(got[1])
+        if len(drafts) >= n_max:
+            break
+        advance(got[0], len(drafts))
+    return drafts, dists
+
+
+def timed(drafts: list[int], dists: list[SparseDist], behind: int, t_start: float, t_first: float | None,
+          t_loop: float, t_end: float) -> Proposal:
+    """A model-like drafter's proposal with its costs: it began at t_start `behind` tokens behind the history, the
+    decode that yielded the first token began at t_first (None: that decode was also a long catch-up's), the pick
+    loop ran from t_loop to t_end. first + (k-1)·per_token is then the step's drafting time."""
+    n = len(drafts)
+    return Proposal(drafts, dists,
+                    first_token_s=t_loop - t_first if n and t_first is not None else None,
+                    token_s=(t_end - t_loop) / (n - 1) if n >= 2 else None,
+                    catchup=CatchUp(behind, t_loop - t_start) if n and behind > CATCHUP_SHORT else None)

@@ -1,0 +1,141 @@
+"""The draft model as a drafter: a small model of the target's vocabulary with a memory of its own, which may see
+only a window of recent tokens (--ctx-draft; with auto, window.py's trial decides)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...errors import UsageError
+from ..core.memory import Memory, common_prefix
+from ..core.sampling import Sampling
+from ..core.settings import DRAFT_SINK
+from .base import CATCHUP_SHORT, Agreement, Drafter, Proposal, pick_loop, timed
+from .window import DraftWindow, agreeing
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+    from ..core.session import Session
+    from ..core.settings import GenerationSettings
+
+
+class ModelDrafter(Drafter):
+    """--drafter model: drafts greedily (or samples, under rejection) from the draft model's memory of the history,
+    which prefill fills, times and compares with the target (reads_prompt)."""
+
+    name = "model"
+    needs_draft_model = True
+    reads_prompt = True
+
+    def __init__(self, session: Session):
+        super().__init__(session)
+        eng = session.engine
+        self.memory = Memory(eng.dft_ctx, partial_rm=not eng.draft.is_recurrent_or_hybrid)
+        self.n_slides = 0  # times the window moved on (a smaller --ctx-draft)
+        # the window: --ctx-draft's, or with --ctx-draft auto what the window trials chose (None: all)
+        self.window = eng.draft_window
+        self.trial = DraftWindow(self)
+        # the last agreement's (position, the target's choices, the rows where the draft's were the same)
+        self.agree_rows: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def available(cls, engine: Engine) -> bool:
+        return engine.dft_ctx is not None
+
+    @classmethod
+    def check(cls, engine: Engine) -> None:
+        if engine.draft is None:
+            raise UsageError("speculative decoding needs a draft model; pass --draft (or --drafter ngram or mtp)")
+
+    @classmethod
+    def cost_prior(cls, engine: Engine) -> float:
+        """About its share of the target's bytes."""
+        return engine.draft.size_bytes / max(engine.target.size_bytes, 1)
+
+    @property
+    def n_restores(self) -> int:
+        return self.memory.n_restores
+
+    @property
+    def n_rollbacks(self) -> int:
+        return self.memory.n_rollbacks
+
+    @property
+    def decode_s(self) -> float:
+        return self.trial.decode_s
+
+    def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
+        """Draft up to n_max tokens: greedy, or sampled from the draft's transformed distribution (rejection);
+        stops early where the draft's top probability < p_min. The catch-up decode yields the first token."""
+        dft, hist, clock = self.memory, self.session.history, self.session.engine.clock
+        t_start = clock()
+        self.fit(len(hist) + n_max)
+        seen = dft.next_index()
+        catchup = len(hist) - seen
+        dft.extend(hist[seen:], logits="last")  # catch up, incl. the last token
+        dft.save_checkpoint()
+        t_loop = clock()
+        drafts, dists = pick_loop(lambda: dft.ctx.logits(1)[0], lambda tok, i: dft.extend([tok], logits="last"),
+                                  n_max, s.p_min, samp, self.session.engine.target.n_vocab, clock)
+        return timed(drafts, dists, catchup, t_start, t_start if catchup <= CATCHUP_SHORT else None, t_loop, clock())
+
+    def fit(self, n_tokens: int) -> None:
+        """Move the window on, if there is one, so that it can hold the history's first n_tokens tokens: it
+        restarts from the last half-window of the history (evaluated again at the next catch-up), after the
+        history's first DRAFT_SINK tokens. A model attends heavily to the first tokens of its context (attention
+        sinks): a window without them predicts far worse than one with them."""
+        window, dft = self.window, self.memory
+        if window is None or n_tokens - dft.offset + dft.sink <= window:
+            return
+        dft.clear()
+        dft.offset = min(n_tokens - window // 2, len(self.session.history) - 1)
+        dft.sink = min(DRAFT_SINK, dft.offset)
+        dft.extend(self.session.history[:dft.sink], logits="none")
+        self.n_slides += 1
+
+    def rewind(self) -> None:
+        hist, dft = self.session.history, self.memory
+        if len(hist) <= dft.offset:
+            dft.clear()  # rolled back past the window: it starts again from the beginning
+        dft.truncate(common_prefix(dft.tokens, dft.view(hist)))
+
+    def clear(self) -> None:
+        self.trial.abandon()
+        self.memory.clear()
+
+    # ---- prefill: the prompt on the draft's memory (Session.prefill) --------------------------------------
+    def read_to(self, pos: int) -> None:
+        """Evaluate the history up to (not including) pos."""
+        self.fit(pos + 1)
+        self.memory.extend(self.session.history[self.memory.next_index():pos], logits="none")
+
+    def time_token(self, pos: int) -> float | None:
+        """Decode history[pos] alone and time it, where the memory stands there (None otherwise)."""
+        if self.memory.next_index() != pos:
+            return None
+        clock = self.session.engine.clock
+        t0 = clock()
+        self.memory.extend([self.session.history[pos]], logits="last")
+        return clock() - t0
+
+    def before_agreement(self, pos: int, n: int) -> None:
+        """Get ready to compare history[pos:pos+n] (before the target decodes them)."""
+        self.fit(pos + n)
+        dft = self.memory
+        if dft.next_index() > pos >= dft.offset:
+            # The draft holds rows the target lacks (the history's last token, evaluated by a drafting step or an
+            # earlier prefill): drop them, or the rows to compare would be missing on the draft's side.
+            dft.truncate(dft.sink + pos - dft.offset)
+
+    def agreement(self, pos: int, want: np.ndarray) -> Agreement | None:
+        """Decode history[pos:pos+len(want)] with every row's logits and count the rows where the greedy choice is
+        the target's (`want`); None where the window moved on (the rows are then decoded plainly)."""
+        n, dft, hist = len(want), self.memory, self.session.history
+        if dft.next_index() != pos:
+            dft.extend(hist[dft.next_index():pos + n], logits="none")
+            return None
+        dft.extend(hist[pos:pos + n], logits="all")
+        ok = dft.ctx.logits(n).argmax(axis=1) == want
+        self.agree_rows = (pos, want, ok)
+        return agreeing(ok)
