@@ -83,3 +83,36 @@ def http(url: str, body: bytes | dict | None = None, api_key: str | None = None,
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+
+
+def serve_in_process(engine, bodies: list[dict], defaults) -> list[tuple[int, bytes]]:
+    """`specq serve`'s library in this process on a free loopback port: the models load and compute on this
+    thread (as in the real server's main thread) while a client thread posts each body to /v1/completions, then
+    SIGTERM drains and stops it. `engine`: an EngineConfig. Returns each answer's (status, body)."""
+    import os
+    import threading
+
+    from specq.native.serving.app import ServeConfig, bind_socket, open_server
+
+    sock = bind_socket("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    ready, answers = threading.Event(), []
+
+    def client() -> None:
+        try:
+            assert ready.wait(120)
+            for body in bodies:
+                answers.append(http(f"{url}/v1/completions", body, timeout=120))
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # drains and stops serve(), as a user's `kill` would
+
+    server = open_server(engine, template=None, defaults=defaults, cfg=ServeConfig())
+    try:
+        asker = threading.Thread(target=client, daemon=True)
+        asker.start()
+        server.serve(sock, on_ready=ready.set)
+        asker.join(60)
+    finally:
+        server.close()
+        sock.close()
+    return answers

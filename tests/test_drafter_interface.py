@@ -5,9 +5,6 @@ output is the target's own (greedy), whatever it proposes."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
 
 import pytest
 from typer.testing import CliRunner
@@ -104,33 +101,13 @@ def test_an_unregistered_drafter_is_one_actionable_error(tiny_target):
 
 def test_a_registered_drafter_serves_a_request_exactly(toy, tiny_target):
     pytest.importorskip("prometheus_client")
-    from serve_proc import http
+    from serve_proc import serve_in_process
     from specq.native.core.config import EngineConfig
-    from specq.native.serving.app import ServeConfig, bind_socket, open_server
 
-    sock = bind_socket("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    ready, answers = threading.Event(), []
-
-    def client() -> None:
-        try:
-            assert ready.wait(120)
-            for extra in ({"drafter": "toy", "draft_max": 4}, {"draft_max": 0}):  # toy, then the target alone
-                body = {"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, **extra}
-                answers.append(http(f"{url}/v1/completions", body, timeout=120))
-        finally:
-            os.kill(os.getpid(), signal.SIGTERM)  # drains and stops serve()
-
-    server = open_server(EngineConfig(str(tiny_target), None, ctx=512, threads=1), template=None,
-                         defaults=GenerationSettings(n_predict=24), cfg=ServeConfig())
-    try:
-        asker = threading.Thread(target=client, daemon=True)
-        asker.start()
-        server.serve(sock, on_ready=ready.set)
-        asker.join(60)
-    finally:
-        server.close()
-        sock.close()
+    prompt = {"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0}
+    answers = serve_in_process(EngineConfig(str(tiny_target), None, ctx=512, threads=1),
+                               [{**prompt, "drafter": "toy", "draft_max": 4}, {**prompt, "draft_max": 0}],
+                               GenerationSettings(n_predict=24))  # toy, then the target alone
     assert [status for status, _ in answers] == [200, 200], answers
     toy_doc, alone = (json.loads(body) for _, body in answers)
     assert toy_doc["choices"][0]["text"] == alone["choices"][0]["text"]

@@ -258,13 +258,10 @@ def test_a_served_request_computes_only_on_the_thread_that_loaded_the_models(tin
     from another thread than the one that loaded it decoded ~0.65x as fast. The real server, in-process, with
     every compute entry point of the FFI boundary recording its thread."""
     import json
-    import os
-    import signal
 
-    from serve_proc import http
+    from serve_proc import serve_in_process
     from specq.native.llama import ffi as _ffi
     from specq.native.core.config import EngineConfig
-    from specq.native.serving.app import ServeConfig, bind_socket, open_server
 
     calls: list[tuple[str, int]] = []
 
@@ -278,32 +275,12 @@ def test_a_served_request_computes_only_on_the_thread_that_loaded_the_models(tin
         for name in names:
             monkeypatch.setattr(getattr(_ffi, cls), name, recorded(f"{cls}.{name}", getattr(getattr(_ffi, cls), name)))
 
-    sock = bind_socket("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    ready, answers = threading.Event(), []
-
-    def client() -> None:
-        try:
-            assert ready.wait(120)
-            for body in ({"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0},
-                         {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0.8, "seed": 3,
-                          "stream": True},
-                         {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0.8, "seed": 3,
-                          "accept": "match"}):
-                answers.append(http(f"{url}/v1/completions", body, timeout=120))
-        finally:
-            os.kill(os.getpid(), signal.SIGTERM)  # drains and stops serve(), as a user's `kill` would
-
-    server = open_server(EngineConfig(str(tiny_target), str(tiny_close), ctx=1024, threads=1), template=None,
-                         defaults=SETTINGS, cfg=ServeConfig())
-    try:
-        asker = threading.Thread(target=client, daemon=True)
-        asker.start()
-        server.serve(sock, on_ready=ready.set)
-        asker.join(60)
-    finally:
-        server.close()
-        sock.close()
+    answers = serve_in_process(EngineConfig(str(tiny_target), str(tiny_close), ctx=1024, threads=1),
+                               [{"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0},
+                                {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0.8, "seed": 3,
+                                 "stream": True},
+                                {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0.8, "seed": 3,
+                                 "accept": "match"}], SETTINGS)
     assert [status for status, _ in answers] == [200, 200, 200], answers
     assert json.loads(answers[0][1])["usage"]["speculative"]["n_drafted"] > 0
     loader = {t for name, t in calls if name == "Model.__init__"}
