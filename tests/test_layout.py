@@ -1,0 +1,139 @@
+"""The package's shape, checked rather than drawn (docs/architecture.md): sizes, which layer may import which,
+E(k) written once, no method replaced at run time. Each check reads the source with `ast`; none imports it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = ("cli", "convert", "native", "models")
+MAX_CLASS_LINES = 300
+MAX_FUNCTION_LINES = 80
+
+
+def package_files() -> list[Path]:
+    """The package's modules: the root's and those of its sub-packages (tests and benchmarks aside)."""
+    return sorted(list(ROOT.glob("*.py")) + [f for d in PACKAGE_DIRS for f in (ROOT / d).rglob("*.py")])
+
+
+def module_name(f: Path) -> str:
+    parts = f.relative_to(ROOT).with_suffix("").parts
+    return ".".join(("specq",) + (parts[:-1] if parts[-1] == "__init__" else parts))
+
+
+def imported_modules(f: Path) -> set[str]:
+    """Every module `f` imports, relative imports resolved (and `from X import name` as X.name too)."""
+    package = module_name(f) if f.name == "__init__.py" else module_name(f).rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def under(f: Path, folder: str) -> bool:
+    return f.relative_to(ROOT).as_posix().startswith(folder + "/")
+
+
+def body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's body in lines, its docstring left out."""
+    body = node.body
+    if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    return node.end_lineno - body[0].lineno + 1
+
+
+def test_no_class_over_300_lines_and_no_function_body_over_80():
+    too_big = []
+    for f in package_files():
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            where = f"{f.relative_to(ROOT)}:{getattr(node, 'lineno', 0)} {getattr(node, 'name', '')}"
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                too_big.append(f"class {where}: {node.end_lineno - node.lineno + 1} lines")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and body_lines(node) > MAX_FUNCTION_LINES:
+                too_big.append(f"function {where}: {body_lines(node)} lines")
+    assert not too_big, too_big
+
+
+def test_only_the_c_boundary_imports_llama_cpp():
+    offenders = [f.relative_to(ROOT).as_posix() for f in package_files()
+                 if not under(f, "native/llama") and any(m.split(".")[0] == "llama_cpp" for m in imported_modules(f))]
+    assert not offenders, offenders
+
+
+def test_nothing_under_native_imports_convert():
+    offenders = [f.relative_to(ROOT).as_posix() for f in package_files()
+                 if under(f, "native") and any(m.startswith("specq.convert") for m in imported_modules(f))]
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("layer", ["native/core", "native/drafters", "native/control"])
+def test_the_speculative_core_never_imports_the_server_or_the_commands(layer):
+    """The core, its drafters and controllers look down only: never at the server, placement, the VRAM planner,
+    chat or the other per-command libraries (native/commands), nor the CLI."""
+    banned = ("specq.native.serving", "specq.native.commands", "specq.cli")
+    offenders = {f.relative_to(ROOT).as_posix(): sorted(m for m in imported_modules(f) if m.startswith(banned))
+                 for f in package_files() if under(f, layer)}
+    assert not {f: m for f, m in offenders.items() if m}
+
+
+def _expected_tokens_sites(f: Path) -> list[int]:
+    """Lines that compute expected tokens from acceptances: the closed form (1 − α^(k+1)) / (1 − α), or the
+    running product of per-position acceptances (`prod *= a`)."""
+    sites = []
+    for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and isinstance(node.right, ast.BinOp) \
+                and isinstance(node.right.op, ast.Add) and isinstance(node.right.right, ast.Constant) \
+                and node.right.right.value == 1:
+            sites.append(node.lineno)
+        if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Mult) and isinstance(node.target, ast.Name) \
+                and isinstance(node.value, (ast.Name, ast.Subscript)):
+            sites.append(node.lineno)
+    return sites
+
+
+def test_expected_tokens_are_written_once():
+    sites = {f.relative_to(ROOT).as_posix(): _expected_tokens_sites(f) for f in package_files()}
+    assert {f for f, lines in sites.items() if lines} == {"native/control/expected.py"}, sites
+
+
+def test_no_method_is_replaced_at_run_time():
+    """Library code never binds a method (or a lambda) to another object's attribute
+    (`controller.verify_s = shared.verify_s`): behaviour is shared by passing objects, not by patching them."""
+    trees = {f: ast.parse(f.read_text(encoding="utf-8")) for f in package_files()}
+    methods = {fn.name for t in trees.values() for c in ast.walk(t) if isinstance(c, ast.ClassDef)
+               for fn in c.body if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and not fn.name.startswith("__")}
+    # a callback slot a class declares (`self.on_decode = None` in its own code) may be given a bound method
+    declared = {el.attr for t in trees.values() for c in ast.walk(t) if isinstance(c, ast.ClassDef)
+                for node in ast.walk(c) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                for tg in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                for el in (tg.elts if isinstance(tg, ast.Tuple) else [tg])
+                if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and el.value.id == "self"}
+    methods -= declared
+
+    def is_method(value: ast.AST) -> bool:
+        return isinstance(value, ast.Lambda) or (isinstance(value, ast.Attribute) and value.attr in methods)
+
+    patched = []
+    for f, t in trees.items():
+        for node in ast.walk(t):
+            if not isinstance(node, ast.Assign):
+                continue
+            for tg in node.targets:
+                pairs = zip(tg.elts, node.value.elts) if isinstance(tg, ast.Tuple) and isinstance(node.value, ast.Tuple) \
+                    else [(tg, node.value)]
+                patched += [f"{f.relative_to(ROOT)}:{node.lineno} .{el.attr}" for el, value in pairs
+                            if isinstance(el, ast.Attribute) and el.attr in methods and is_method(value)]
+    assert not patched, patched
