@@ -167,7 +167,7 @@ class MtpDrafter(Drafter):
         self.rows.drop_before(upto - 1)  # h_{upto-1} pairs with the next committed token
 
     def truncate(self, n: int) -> None:
-        """Make the head's memory hold exactly tokens[:n] (the memory is the source of truth, as in core.memory.Memory)."""
+        """Make the head's memory hold exactly tokens[:n] (the memory is the source of truth, as in Memory)."""
         held = self.ctx.pos_max() + 1
         if held < len(self.tokens):
             del self.tokens[held:]
