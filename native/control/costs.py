@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Callable, Generic, TypeVar
 
 SHORT_CTX = 384  # contexts below this share one band: attention is a small part of a step there
 CALIBRATION_BATCHES = (5, 2)  # verify sizes timed in a prefill at a new context: two points give V(b)'s line
@@ -32,11 +32,32 @@ def running_mean(old: float | None, new: float, ema: float) -> float:
     return new if old is None else old + ema * (new - old)
 
 
-def nearest(bands: dict[int, B], n_ctx: int, has: Callable[[B], bool]) -> B | None:
-    """The band closest to n_ctx's with `has(costs)` true (the lower one on a tie)."""
-    here = ctx_band(n_ctx)
-    found = sorted((abs(b - here), b) for b, c in bands.items() if has(c))
-    return bands[found[0][1]] if found else None
+class Banded(Generic[B]):
+    """Costs kept per context band: the current context's band (`at`) and every band measured so far."""
+
+    def __init__(self, new_band: Callable[[], B]):
+        self._new_band = new_band
+        self.bands: dict[int, B] = {}
+        self.n_ctx = 0
+        self.band = self._band(0)  # the current context band's
+
+    def _band(self, band: int) -> B:
+        return self.bands.setdefault(band, self._new_band())
+
+    def at(self, n_ctx: int) -> None:
+        """The next steps run at a context of n_ctx tokens."""
+        self.n_ctx = n_ctx
+        self.band = self._band(ctx_band(n_ctx))
+
+    def band_of(self, n_ctx: int) -> B | None:
+        """n_ctx's band, where anything was recorded in it."""
+        return self.bands.get(ctx_band(n_ctx))
+
+    def nearest(self, has: Callable[[B], bool]) -> B | None:
+        """The band closest to the current context's with `has(costs)` true (the lower one on a tie)."""
+        here = ctx_band(self.n_ctx)
+        found = sorted((abs(b - here), b) for b, c in self.bands.items() if has(c))
+        return self.bands[found[0][1]] if found else None
 
 
 @dataclass
@@ -69,7 +90,7 @@ class VerifyBand:
         return max(a + s * b, 1e-9)
 
 
-class TargetCosts:
+class TargetCosts(Banded[VerifyBand]):
     """V(b): what the target's verify pass of b tokens costs at the current context. Per-size running means; for
     sizes not yet seen a least-squares line through the measured batches, b = 1 apart (a single-token decode runs
     other kernels, so its cost says little about a batch's slope). `attention_prior`: the target's attention
@@ -77,23 +98,13 @@ class TargetCosts:
     step's cost grows by with the context, until measured."""
 
     def __init__(self, ema: float = 0.2, attention_prior: float = 0.0):
+        super().__init__(VerifyBand)
         self.ema = ema
         self.attention_prior = attention_prior
-        self.bands: dict[int, VerifyBand] = {}
-        self.n_ctx = 0
-        self.band = self._band(0)  # the current context band's
-
-    def _band(self, band: int) -> VerifyBand:
-        return self.bands.setdefault(band, VerifyBand())
-
-    def at(self, n_ctx: int) -> None:
-        """The next steps run at a context of n_ctx tokens."""
-        self.n_ctx = n_ctx
-        self.band = self._band(ctx_band(n_ctx))
 
     def measured(self, n_ctx: int) -> bool:
         """Whether a single-token decode was measured in n_ctx's band."""
-        c = self.bands.get(ctx_band(n_ctx))
+        c = self.band_of(n_ctx)
         return c is not None and 1 in c.v_mean
 
     def measured_anywhere(self) -> bool:
@@ -121,10 +132,10 @@ class TargetCosts:
 
     def verify_one_s(self) -> float:
         """A single-token decode at the current context: measured here, else in the nearest band."""
-        c = self.band if 1 in self.band.v_mean else nearest(self.bands, self.n_ctx, lambda c: 1 in c.v_mean)
+        c = self.band if 1 in self.band.v_mean else self.nearest(lambda c: 1 in c.v_mean)
         if c is not None:
             return c.v_mean[1]
-        c = nearest(self.bands, self.n_ctx, lambda c: bool(c.v_mean))
+        c = self.nearest(lambda c: bool(c.v_mean))
         return min(c.v_mean.values()) if c is not None else 1.0
 
     def verify_s(self, b: int) -> float:
@@ -138,7 +149,7 @@ class TargetCosts:
         c = self.band
         if any(bb > 1 for bb in c.v_mean):
             return max(c.batch_s(b), one)
-        near = nearest(self.bands, self.n_ctx, lambda c: any(bb > 1 for bb in c.v_mean))
+        near = self.nearest(lambda c: any(bb > 1 for bb in c.v_mean))
         if near is not None:
             # Another context band: each of the b rows attends to the context, so a batch grows by b times
             # the single token's change between the two contexts (an upper bound: rows share the reads).
@@ -154,8 +165,7 @@ class TargetCosts:
         (attention_prior)."""
         c = self.band
         one = self.verify_one_s()
-        other = nearest(self.bands, self.n_ctx,
-                        lambda o: o is not c and 1 in o.v_mean and abs(o.ctx_one - c.ctx_one) >= 1)
+        other = self.nearest(lambda o: o is not c and 1 in o.v_mean and abs(o.ctx_one - c.ctx_one) >= 1)
         if 1 not in c.v_mean or other is None:
             grow = self.attention_prior * self.n_ctx
             return one * grow / (1.0 + grow)
@@ -172,30 +182,20 @@ class DraftBand:
     t_catchup: float | None = None  # per token of a long catch-up (tokens decoded while another drafted)
 
 
-class DraftCosts:
+class DraftCosts(Banded[DraftBand]):
     """One drafter's own costs at the current context: its first drafted token (which also pays the catch-up on the
     last step's accepted tokens), each further token, and a long catch-up's per token. Until measured, a token
     costs `ratio_prior` of a target token (`target`: the shared TargetCosts)."""
 
     def __init__(self, target: TargetCosts, ratio_prior: float, ema: float = 0.2):
+        super().__init__(DraftBand)
         self.target = target
         self.ratio_prior = ratio_prior
         self.ema = ema
-        self.bands: dict[int, DraftBand] = {}
-        self.n_ctx = 0
-        self.band = self._band(0)
-
-    def _band(self, band: int) -> DraftBand:
-        return self.bands.setdefault(band, DraftBand())
-
-    def at(self, n_ctx: int) -> None:
-        """The next steps run at a context of n_ctx tokens."""
-        self.n_ctx = n_ctx
-        self.band = self._band(ctx_band(n_ctx))
 
     def measured(self, n_ctx: int) -> bool:
         """Whether a first drafted token was measured in n_ctx's band."""
-        c = self.bands.get(ctx_band(n_ctx))
+        c = self.band_of(n_ctx)
         return c is not None and c.t_first is not None
 
     def calibrate(self, n_ctx: int, draft_token_s: float) -> None:
@@ -221,7 +221,7 @@ class DraftCosts:
         """Seconds per drafted token after the first."""
         c = self.band
         if c.t_draft is None and c.t_first is None:
-            c = nearest(self.bands, self.n_ctx, lambda c: c.t_draft is not None or c.t_first is not None)
+            c = self.nearest(lambda c: c.t_draft is not None or c.t_first is not None)
             if c is None:
                 return self.ratio_prior * self.target.verify_one_s()
         return c.t_draft if c.t_draft is not None else c.t_first
@@ -229,7 +229,7 @@ class DraftCosts:
     def first_s(self) -> float:
         """Seconds to the first drafted token of a step."""
         here = self.band
-        c = here if here.t_first is not None else nearest(self.bands, self.n_ctx, lambda c: c.t_first is not None)
+        c = here if here.t_first is not None else self.nearest(lambda c: c.t_first is not None)
         if c is None or (c is not here and here.t_draft is not None):
             return self.draft_s()
         return c.t_first
@@ -239,7 +239,7 @@ class DraftCosts:
         decoding) ran costs this drafter when it drafts next. Measured at this context (else the nearest), else
         the first token's cost scaled as the target's batches grow: one more row's share of a single token."""
         here = self.band
-        c = here if here.t_catchup is not None else nearest(self.bands, self.n_ctx, lambda c: c.t_catchup is not None)
+        c = here if here.t_catchup is not None else self.nearest(lambda c: c.t_catchup is not None)
         if c is not None:
             return c.t_catchup
         one = self.target.verify_one_s()
