@@ -391,15 +391,18 @@ def local_gpu_names() -> list[str]:
 
 
 # ---- a lost server ---------------------------------------------------------------------------------
-def _gone(ep: Endpoint, tries: int = 4) -> bool:
+def _gone(ep: Endpoint, tries: int = 8) -> bool:
     """The port refuses connections: the server process is gone. A dying server's listening socket may outlive
-    its connections for a moment, hence a few tries; a timeout proves nothing (a stopped server's backlog)."""
+    its connections for a moment, hence a few tries; a timeout proves nothing (a stopped server's backlog, or a
+    busy machine still tearing the process down), so it is tried again too."""
     for i in range(tries):
         try:
             with socket.create_connection((ep.host, ep.port), timeout=0.5):
                 pass
         except ConnectionRefusedError:
             return True
+        except TimeoutError:
+            pass
         except OSError:
             return False
         time.sleep(0.25)
