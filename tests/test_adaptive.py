@@ -237,11 +237,19 @@ def context_costs(attn_ms_per_row_token: float):
     return cost
 
 
+def through_first_choice(it) -> None:
+    """Read a generation's events up to the first of the first step the controller chose (the step after the
+    target's prefill's own token)."""
+    for ev in it:
+        if ev.step >= 1:
+            return
+
+
 def first_step(session, toks, settings):
-    """Run one step of a generation; (tokens it drafted, plain steps) after it."""
+    """Run the first step the controller chose; (tokens it drafted, plain steps) after it."""
     gen = session.generate(toks, settings)
     it = iter(gen)
-    next(it)
+    through_first_choice(it)
     snap = gen.snapshot()
     it.close()
     return snap.n_drafted, snap.n_plain_steps
@@ -345,7 +353,7 @@ def test_at_long_context_a_draft_window_is_taken_where_it_is_faster(recent_pair)
         ses = e.session()
         gen = ses.generate(toks, auto)
         it = iter(gen)
-        next(it)
+        through_first_choice(it)
         snap = gen.snapshot()
         trial = ses.reader.trial
         assert trial.n_trials == 1 and ses.reader.window == WINDOW_TRIAL and trial.on_probation() is not None
@@ -559,7 +567,7 @@ def test_prompt_agreement_is_measured_when_the_draft_holds_the_historys_last_tok
         toks = long_prompt(e, 1500)
         ses.prefill(toks[:1476])  # a short turn follows: its agreement rows begin where the target stands
         base = len(ses.history)
-        ses.generate(toks[1476:], GenerationSettings(n_predict=4), speculative=False).run()
+        ses.generate(toks[1476:], GenerationSettings(n_predict=4, draft_max=2)).run()
         ses.rollback(base)
         assert ses.dft.next_index() == len(ses.tgt.tokens) + 1  # the case: the draft is a row ahead
         first_step(ses, toks[1476:], auto)

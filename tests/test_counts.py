@@ -46,8 +46,10 @@ def test_a_draft_never_accepted_counts_every_token_it_drafted(tiny_target, tiny_
     st = g.stats
     assert g.tokens == base.tokens and len(set(g.tokens)) > 3  # exact, and not one token repeated
     assert st.n_steps == n and all(emitted == 1 for _, emitted in steps_seen)  # every draft rejected at once
-    # k tokens a step, fewer only where n_predict leaves less room (a step drafts at most what it may emit)
-    assert st.n_drafted == sum(min(k, n - 1 - i) for i in range(n)) == sum(d for d, _ in steps_seen) > n
+    # k tokens a step after the first (the target's prefill's own token), fewer only where n_predict leaves less
+    # room (a step drafts at most what it may emit)
+    assert steps_seen[0] == (0, 1)
+    assert st.n_drafted == sum(min(k, n - 1 - i) for i in range(1, n)) == sum(d for d, _ in steps_seen) > n
     assert st.n_accepted == 0 and st.accept_rate == 0.0
     assert st.n_tried == sum(1 for d, _ in steps_seen if d) and st.alpha == 0.0  # one position reached a step
 
@@ -72,7 +74,7 @@ def test_a_step_rejected_at_position_i_counts_all_k(tiny_target, tiny_close, ste
 def test_a_generation_stopped_inside_a_step_counts_only_the_positions_kept(tiny_target, steps_seen):
     """A consumer that stops reading inside a step (a server's stop string, Ctrl-C between tokens): the draft
     positions past the last token it read count nowhere."""
-    k, stop_after = 6, 9
+    k, stop_after = 6, 10
     with Engine(tiny_target, tiny_target, ctx=256, threads=1) as e:  # the draft is the target: all accepted
         g = e.session().generate(e.tokenize(PROMPT), GenerationSettings(n_predict=64, draft_max=k))
         it = iter(g)
@@ -80,8 +82,9 @@ def test_a_generation_stopped_inside_a_step_counts_only_the_positions_kept(tiny_
         it.close()
     st = g.stats
     assert st.stop_reason == "interrupted" and len(read) == stop_after and len(set(t.token for t in read)) > 3
-    # a whole step (k accepted + the target's own token), then 2 tokens read of the second step's k + 1
-    assert [m for _, m in steps_seen] == [k + 1, k + 1]
+    # the prefill's token, a whole step (k accepted + the target's own token), then 2 tokens read of the second
+    # drafting step's k + 1
+    assert [m for _, m in steps_seen] == [1, k + 1, k + 1]
     assert st.n_drafted == st.n_accepted == k + 2
     assert st.n_tried == st.n_drafted and st.accept_rate == st.alpha == 1.0
     assert dict(st.n_drafted_by) == {"model": k + 2} and dict(st.n_accepted_by) == {"model": k + 2}

@@ -141,7 +141,8 @@ def monkeypatch_module():
 
 def target_law(path, tokens: list[int], depth: int, top_k: int = 0, ctx: int = 128) -> dict:
     """The target's own sampling law of the next `depth` tokens (temp 1, optional top-k), computed with numpy on
-    its logits: a reference that shares nothing with the engine's sampling or acceptance code."""
+    its logits: a reference that shares nothing with the engine's sampling or acceptance code. A generation ends
+    at an end-of-generation token: its key is shorter there."""
     law = {}
     with _ffi.Model(path) as m, _ffi.Context(m, ctx, 1) as c:
         def probs(prefix):
@@ -154,7 +155,7 @@ def target_law(path, tokens: list[int], depth: int, top_k: int = 0, ctx: int = 1
             return e / e.sum()
 
         def walk(prefix, prob, left):
-            if left == 0:
+            if left == 0 or (len(prefix) > len(tokens) and m.is_eog(prefix[-1])):
                 law[tuple(prefix[len(tokens):])] = prob
                 return
             p = probs(prefix)
@@ -177,26 +178,28 @@ def sampled_law(e, toks: list[int], n: int, depth: int, **settings) -> tuple[dic
     return counts, stats
 
 
-def test_a_wider_draft_vocabulary_keeps_the_first_token_law_exact(tiny_target, wide_draft):
+def test_a_wider_draft_vocabulary_keeps_the_law_of_a_drafted_token_exact(tiny_target, wide_draft):
+    # the first token comes from the target's prefill alone; the second is the first drafted position
     with Engine(tiny_target, wide_draft, ctx=128, threads=1) as e:
         assert e.draft.n_vocab == e.target.n_vocab + 24
         toks = e.tokenize(PROMPT)
-        law = target_law(tiny_target, toks, 1)
-        counts, stats = sampled_law(e, toks, 3000, 1, n_predict=2, draft_max=1, **KW1)
+        law = target_law(tiny_target, toks, 2)
+        counts, stats = sampled_law(e, toks, 3000, 2, n_predict=3, draft_max=1, **KW1)
         drafted = sum(st.n_drafted for st in stats)
     assert drafted > 2000  # the draft proposed tokens (from the ids the target has)
     assert chi2_pvalue(counts, law) > 0.001
 
 
-# ---- 4. the bonus token comes from the target: the joint law of the first three tokens ----------------------
-def test_joint_law_of_three_tokens_with_two_drafted_is_the_targets(tiny_target, tiny_close):
+# ---- 4. the bonus token comes from the target: the joint law of the first four tokens -----------------------
+def test_joint_law_of_four_tokens_with_two_drafted_is_the_targets(tiny_target, tiny_close):
+    # the first token comes from the target's prefill alone, the next two are drafted, the fourth is the bonus
     kw = dict(temp=1.0, top_k=4, top_p=1.0, min_p=0.0)
     with Engine(tiny_target, tiny_close, ctx=128, threads=1) as e:
         toks = e.tokenize(PROMPT)
-        law = target_law(tiny_target, toks, 3, top_k=4)
-        counts, stats = sampled_law(e, toks, 4000, 3, n_predict=3, draft_max=2, **kw)
-        all_accepted = sum(st.accepted_per_pos[1] > 0 for st in stats)  # both drafts accepted: a bonus 3rd token
-    assert len(law) == 64
+        law = target_law(tiny_target, toks, 4, top_k=4)
+        counts, stats = sampled_law(e, toks, 4000, 4, n_predict=4, draft_max=2, **kw)
+        all_accepted = sum(st.accepted_per_pos[1] > 0 for st in stats)  # both drafts accepted: a bonus 4th token
+    assert len(law) == 256
     assert all_accepted > 300
     assert chi2_pvalue(counts, law) > 0.001
 
@@ -219,14 +222,15 @@ def eog_pair(models_dir, tiny_target):
 def test_generation_ends_at_the_end_of_generation_token(eog_pair, speculative):
     t, d, eog, at = eog_pair
     with Engine(t, d, ctx=128, threads=1) as e:
-        # the first step drafts past the EOG (at index `at`, a draft position), so the step is cut there
+        # the first drafting step drafts past the EOG (at index `at`, a draft position), so the step is cut there
         g = e.session().generate(e.tokenize(PROMPT), GenerationSettings(n_predict=40, draft_max=at + 3),
                                  speculative=speculative).run()
     assert g.stats.stop_reason == "eog"
     assert g.tokens[-1] == eog and len(g.tokens) == at + 1  # nothing follows it
     if speculative:
-        # the perfect draft ran past the EOG inside a step; only what was emitted counts
-        assert g.stats.n_drafted > 0 and g.stats.n_accepted == g.stats.n_drafted == len(g.tokens)
+        # the perfect draft ran past the EOG inside a step; only what was emitted counts (the first token is the
+        # target's prefill's own)
+        assert g.stats.n_drafted > 0 and g.stats.n_accepted == g.stats.n_drafted == len(g.tokens) - 1
 
 
 # ---- 6. draft_min and per-position counts that can fail ------------------------------------------------------

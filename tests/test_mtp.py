@@ -177,15 +177,16 @@ def test_missing_trunk_rows_are_evaluated_again_and_the_output_stays_exact(mtp_t
 
 
 # ---- sampled: the output law stays the target's --------------------------------------------------------------
-def test_sampled_mtp_drafting_keeps_the_joint_law_of_two_tokens(mtp_target):
+def test_sampled_mtp_drafting_keeps_the_joint_law_of_three_tokens(mtp_target):
+    # the first token is the target's prefill's own; the second is drafted by the head, the third the bonus
     kw = dict(temp=1.0, top_k=4, top_p=1.0, min_p=0.0)
     with Engine(mtp_target, None, ctx=128, threads=1, mtp=True) as e:
         toks = e.tokenize(PROMPTS[0])
-        law = target_law(mtp_target, toks, 2, top_k=4)
-        counts, stats = sampled_law(e, toks, 2500, 2, n_predict=2, draft_max=1, drafter="mtp", **kw)
+        law = target_law(mtp_target, toks, 3, top_k=4)
+        counts, stats = sampled_law(e, toks, 2500, 3, n_predict=3, draft_max=1, drafter="mtp", **kw)
     drafted = sum(dict(st.n_drafted_by).get("mtp", 0) for st in stats)
     accepted = sum(st.n_accepted for st in stats)
-    assert len(law) == 16 and drafted == 2500  # every generation verified one MTP draft
+    assert len(law) == 64 and drafted == 2500  # every generation verified one MTP draft
     assert 300 < accepted < 2200  # accepted often, rejected often: both branches of the rule ran
     assert chi2_pvalue(counts, law) > 0.001
 

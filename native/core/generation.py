@@ -49,6 +49,8 @@ class Generation:
         self._p = Progress()
         self._clock = session.engine.clock
         self._samp: Sampling | None = None
+        self._reader = None  # the drafter that reads the prompt, where this generation may draft with it
+        self._wants = self._trial = False  # whether _read_prompt seeds acceptance / tries a draft window
         eng = session.engine
         self._ctxs = [c for c in (eng.tgt_ctx, eng.dft_ctx if speculative else None) if c is not None]
 
@@ -109,7 +111,9 @@ class Generation:
                     stop = done
                     break
                 t_step = self._clock()
-                n_draft_max, drafters = self._plan(remaining)
+                first = p.n_steps == 0 and self.speculative
+                # the first token comes from the target's prefill alone (a plain step): drafting waits for it
+                n_draft_max, drafters = (0, ()) if first else self._plan(remaining)
                 step = ses._step(s, samp, max(n_draft_max, 0), drafters)
                 p.n_steps += 1
                 p.draft_s += step.draft_s
@@ -118,11 +122,14 @@ class Generation:
                 if self.speculative:
                     p.count_step(step, len(events))
                 ses._rewind()
-                self._observe(step, t_step)
+                if not first:
+                    self._observe(step, t_step)
                 yield from self._deliver(step, events)
                 if done:
                     stop = done
                     break
+                if first:
+                    self._read_prompt()
             self._settle_window(finished=True)
         finally:
             self._end(stop, samp, utf8)
@@ -135,35 +142,49 @@ class Generation:
         return None
 
     def _prefill(self) -> None:
-        """Evaluate the prompt. Where nothing was measured at this context yet, the prefill times single tokens
-        on each model, so that the first step is priced at this context (at thousands of tokens attention changes
-        the costs). Before the draft model was tried enough, it also compares the reader's greedy choices with the
-        target's over the prompt's last rows (greedy decoding: acceptance is exactly that agreement)."""
+        """Evaluate the prompt on the target (the draft's side waits for the first token: _read_prompt). Where
+        nothing was measured at this context yet, the prefill times single tokens on each model, so that the first
+        speculative step is priced at this context (at thousands of tokens attention changes the costs). Before the
+        draft model was tried enough, it also compares the reader's greedy choices with the target's over the
+        prompt's last rows (greedy decoding: acceptance is exactly that agreement)."""
         ses, s, p = self.session, self.settings, self._p
         auto_drafter = s.drafters == (registry.AUTO,)
         ctrl = ses.controller(s) if self.speculative and (s.adaptive or auto_drafter) else None
         ses.attach(s, self.speculative)
         self.controller = ctrl
-        reader = ses.reader if ses.reader is not None and ses.reader.name in ses.available_drafters(s) else None
+        self._reader = ses.reader if ses.reader is not None and ses.reader.name in ses.available_drafters(s) else None
         tp0 = self._clock()
         p.trials0, p.reverts0 = self._window_counts()[1:]
-        greedy_reader = ctrl is not None and reader is not None and s.temp <= 0
-        wants = greedy_reader and ctrl.wants_agreement()
+        greedy_reader = ctrl is not None and self._reader is not None and s.temp <= 0
+        self._wants = greedy_reader and ctrl.wants_agreement()
         # --ctx-draft auto: at a long context, whether a draft window would be faster (drafters/window.py)
-        trial = greedy_reader and reader.trial.due(len(self.new_tokens))
-        timed = ses.prefill(self.new_tokens,
-                            timed=(lambda first, last: ctrl.calibration_points(first, last, reader is not None))
-                            if ctrl is not None else None, agree=AGREE_TOKENS if wants or trial else 0)
+        self._trial = greedy_reader and self._reader.trial.due(len(self.new_tokens))
+        has_reader = self._reader is not None
+        ses.prefill_target(self.new_tokens,
+                           timed=(lambda first, last: ctrl.calibration_points(first, last, has_reader))
+                           if ctrl is not None else None, agree=AGREE_TOKENS if self._wants or self._trial else 0)
+        p.prompt_s = self._clock() - tp0
+
+    def _read_prompt(self) -> None:
+        """The draft's side of the prefill, once the first token is out: the reader reads the prompt, the
+        controller gets the timings and the agreement, and a draft window may be tried. Its time counts as the
+        prompt's (prompt_ms), not the generation's."""
+        ses, ctrl, reader, p = self.session, self.controller, self._reader, self._p
+        t0, d0 = self._clock(), self._decode_s()
+        timed = ses.prefill_reader()
         for pos, n, target_s, draft_s in timed:
             ctrl.calibrate(pos, target_s, draft_s, n)
         agreement = ses.agreement
-        if trial and agreement is not None:
+        if self._trial and agreement is not None:
             ctrl.at(len(ses.history))
-            own = ctrl.per[reader.name] if auto_drafter else ctrl
+            own = ctrl.per[reader.name] if isinstance(ctrl, AdaptiveDrafters) else ctrl
             agreement = reader.trial.try_window(own, self._overhead()) or agreement
-        if wants and agreement is not None:
+        if self._wants and agreement is not None:
             ctrl.seed_acceptance(*agreement)
-        p.prompt_s = self._clock() - tp0
+        spent = self._clock() - t0
+        p.prompt_s += spent
+        p.t_gen0 += spent
+        p.decode0 += self._decode_s() - d0
 
     def _plan(self, remaining: int | None) -> tuple[int, tuple[str, ...] | None]:
         """This step's draft length and drafters (None: --drafter's list; under auto the controller's choice,

@@ -65,9 +65,11 @@ class Session:
         # the drafter with a memory of the prompt (a draft model), which prefill fills, times and compares
         self.reader = next((d for d in self.drafters.values() if d.reads_prompt), None)
         self.agreement: Agreement | None = None  # the last prefill's (see prefill's agree)
+        self._pending = None  # prefill_target's work for prefill_reader
         self.reset()
 
     def reset(self) -> None:
+        self._pending = None
         self.history.clear()
         self.tgt.clear()
         for d in self.drafters.values():
@@ -186,12 +188,21 @@ class Session:
     # ==== prefill ===============================================================================
     def prefill(self, new_tokens: list[int], timed: Callable[[int, int], list[tuple[int, int]]] | None = None,
                 agree: int = 0) -> list[Timing]:
-        """Append tokens to the history and evaluate all but the last on the target and the reader.
+        """Append tokens to the history and evaluate all but the last on the target and the reader: the target's
+        part (prefill_target), then the reader's (prefill_reader).
 
         `timed(first, last)`: spans (position, n_tokens) among the new ones (first..last-1 may be evaluated) to
         decode alone and time (a Timing each). `agree`: up to that many new tokens just before the timed spans
         are decoded with every row's logits on the target and the reader, and `self.agreement` is set (None
         where none were compared). The tokens and positions decoded are the same either way."""
+        self.prefill_target(new_tokens, timed, agree)
+        return self.prefill_reader()
+
+    def prefill_target(self, new_tokens: list[int], timed: Callable[[int, int], list[tuple[int, int]]] | None = None,
+                       agree: int = 0) -> None:
+        """prefill's target part: the target holds all but the history's last token when it returns, and a
+        generation can take its first token (a plain step) before the reader reads the prompt
+        (prefill_reader), so that the draft's side of the prefill stays off the path to the first token."""
         if not new_tokens:
             raise UsageError("empty prompt; give some text to start from")
         total = len(self.history) + len(new_tokens)
@@ -201,15 +212,36 @@ class Session:
                 "use a larger --ctx or a shorter prompt")
         self.history.extend(new_tokens)
         self.agreement = None
+        self._pending = None
         if self.reader is not None:
             self.reader.agree_rows = None
         try:
             self._rewind()
-            return self._decode_spans(self._spans(timed, agree))
+            self._pending = self._target_spans(self._spans(timed, agree))
         except BaseException:
             del self.history[-len(new_tokens):]
             self._rewind()
             raise
+
+    def prefill_reader(self) -> list[Timing]:
+        """prefill's reader part, after prefill_target (and maybe a first token): the reader reads the prompt,
+        times its spans' tokens and compares its greedy choices with the target's on the agreement span. The
+        Timings of the timed spans (draft_s None where the reader timed none)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return []
+        reader, out = self.reader, []
+        for span, got in pending:
+            if reader is not None:
+                reader.read_to(span.pos)
+            if span.agree:
+                self._agree_reader(span.pos, got)
+            else:
+                draft_s = reader.time_token(span.pos) if span.n == 1 and reader is not None else None
+                out.append(Timing(span.pos, span.n, got, draft_s))
+        if reader is not None:
+            reader.read_to(len(self.history) - 1)  # all but the last token, as the target (a first token too)
+        return out
 
     def _spans(self, timed: Callable[[int, int], list[tuple[int, int]]] | None, agree: int) -> list[Span]:
         """The timed spans in order, not overlapping, and the agreement span just before those that end the
@@ -230,32 +262,26 @@ class Session:
                 spans.insert(i, Span(start, stop - start, agree=True))
         return spans
 
-    def _decode_spans(self, spans: list[Span]) -> list[Timing]:
-        hist, clock, reader = self.history, self.engine.clock, self.reader
-        out = []
-        for span in spans + [Span(len(hist) - 1, 0)]:
+    def _target_spans(self, spans: list[Span]) -> list[tuple[Span, object]]:
+        """Decode the prompt on the target, each span alone: a timed span's seconds, an agreement span's greedy
+        choices (every row's logits), for the reader's part."""
+        hist, clock, done = self.history, self.engine.clock, []
+        for span in spans:
             pos, n = span.pos, span.n
             self.tgt.extend(hist[len(self.tgt.tokens):pos], logits="none")
-            if reader is not None:
-                reader.read_to(pos)
-            if n == 0:
-                break
-            if span.agree:
-                self._agree(pos, n)
-                continue
             t0 = clock()
-            self.tgt.extend(hist[pos:pos + n], logits="last" if n == 1 else "all")
+            self.tgt.extend(hist[pos:pos + n], logits="all" if span.agree or n > 1 else "last")
             t1 = clock()
-            draft_s = reader.time_token(pos) if n == 1 and reader is not None else None
-            out.append(Timing(pos, n, t1 - t0, draft_s))
-        return out
+            done.append((span, self.tgt.ctx.logits(n).argmax(axis=1) if span.agree else t1 - t0))
+        self.tgt.extend(hist[len(self.tgt.tokens):len(hist) - 1], logits="none")
+        return done
 
-    def _agree(self, pos: int, n: int) -> None:
-        """Decode history[pos:pos+n] on the target and the reader with every row's logits and count the rows where
-        the reader's greedy choice is the target's (self.agreement): teacher-forced greedy acceptance."""
-        self.reader.before_agreement(pos, n)
-        self.tgt.extend(self.history[pos:pos + n], logits="all")
-        got = self.reader.agreement(pos, self.tgt.ctx.logits(n).argmax(axis=1))
+    def _agree_reader(self, pos: int, want) -> None:
+        """Decode history[pos:pos+len(want)] on the reader with every row's logits and count the rows where its
+        greedy choice is the target's (`want`, the target's choices there): teacher-forced greedy acceptance
+        (self.agreement)."""
+        self.reader.before_agreement(pos, len(want))
+        got = self.reader.agreement(pos, want)
         if got is not None:
             self.agreement = got
 

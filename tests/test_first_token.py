@@ -1,0 +1,52 @@
+"""The first token comes from the target's prefill alone: the draft's side of the prefill (reading the prompt,
+timing, the agreement with the target, a window trial) waits until it is out, and drafting starts right after."""
+
+from __future__ import annotations
+
+import pytest
+
+from specq.native.core.engine import Engine, SimulatedClock
+from specq.native.core.settings import GenerationSettings
+
+PROMPT = "def fibonacci(n):"
+LONG = "The quick brown fox jumps over the lazy dog while the cat sleeps by the warm fire. " * 2 + PROMPT
+
+
+@pytest.mark.parametrize("draft_max", [4, "auto"])
+def test_no_draft_decode_comes_before_the_first_token(tiny_target, tiny_close, draft_max):
+    # the simulated clock prices the draft at a tenth of the target, so that auto drafts whatever the load
+    clock = SimulatedClock(lambda name, n, pos0: (0.001 if name == "draft" else 0.010 + 0.001 * n))
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1, clock=clock) as e:
+        toks = e.tokenize(LONG)  # long enough for a prompt agreement (auto)
+        base = e.session().generate(toks, GenerationSettings(n_predict=40), speculative=False).run()
+        ses = e.session()
+        d0, t0 = e.dft_ctx.n_decode_calls, e.tgt_ctx.n_decode_calls
+        g = ses.generate(toks, GenerationSettings(n_predict=40, draft_max=draft_max))
+        events = iter(g)
+        first = next(events)
+        # the target decoded the prompt and sampled; the draft has not decoded anything yet
+        assert e.tgt_ctx.n_decode_calls > t0 and e.dft_ctx.n_decode_calls == d0
+        rest = list(events)
+        tokens = [first.token] + [ev.token for ev in rest]
+    assert len(set(base.tokens)) > 5 and tokens == g.tokens == base.tokens
+    assert e.dft_ctx.n_decode_calls > d0 and g.stats.n_drafted > 0  # the draft read the prompt and drafted after
+    if draft_max == "auto":
+        assert ses.agreement is not None  # the prompt agreement still ran, after the first token
+
+
+def test_the_reader_reads_the_whole_prompt_before_the_first_speculative_step(tiny_target, tiny_close):
+    """The first drafting step catches up on one token only (the first token): a clean first-token timing."""
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1) as e:
+        toks = e.tokenize(PROMPT)
+        ses = e.session()
+        seen = []
+        real = ses._step
+
+        def spy(s, samp, n_draft_max, drafters=None):
+            if n_draft_max > 0 and not seen:
+                seen.append(len(ses.history) - ses.dft.next_index())
+            return real(s, samp, n_draft_max, drafters)
+
+        ses._step = spy
+        g = ses.generate(toks, GenerationSettings(n_predict=16, draft_max=4)).run()
+    assert seen == [1] and g.stats.n_drafted > 0
