@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_exactness.py", "tests/test_rejection.py", "tests/test_engine.py", "tests/test_accept.py",
          "tests/test_tinyqwen35.py", "tests/test_hybrid.py", "tests/test_swa.py", "tests/test_mtp.py",
-         "tests/test_counts.py"]
+         "tests/test_counts.py", "tests/test_parallel.py"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,13 @@ class Mutant:
 
 
 MUTANTS = [
+    Mutant("batch-rows-of-first", "in a decode of several sequences, each sequence's logits read from the decode's "
+                                  "first output rows instead of its own",
+           (("native/llama/ffi.py", "off = self._out_row.get(seq, 0)\n", "off = 0\n"),)),
+    Mutant("batch-snapshots-shared", "a sequence's rollback snapshots taken to cover the last decode of sequence 0 "
+                                     "instead of its own last decode",
+           (("native/llama/ffi.py", "last_decode_pos0 = property(lambda self: self.parent._last_pos0.get(self.seq, 0))",
+             "last_decode_pos0 = property(lambda self: self.parent._last_pos0.get(0, 0))"),)),
     Mutant("bonus-from-draft", "the bonus token drawn from the draft's last distribution, not the target's p[n]",
            (("native/core/accept.py", "[draw_sparse(*_pair(p[n]), rng)]", "[draw_sparse(*_pair(q[n - 1] if n else p[n]), rng)]"),)),
     Mutant("resample-from-p", "after a rejection, sample from p instead of norm(max(0, p - q))",
@@ -46,7 +53,7 @@ MUTANTS = [
              "return 0 < held - n <= self.ctx.n_rs_seq"),)),
     Mutant("swa-trust-seq-rm", "a sliding-window cache rolled back with seq_rm even where it no longer holds the "
                                "window of the first kept position (llama.cpp reports success)",
-           (("native/llama/ffi.py", "return self.n_swa == 0 or self.pos_min() <= max(0, n - self.n_swa)",
+           (("native/llama/ffi.py", "return self.n_swa == 0 or self.pos_min(seq) <= max(0, n - self.n_swa)",
              "return True"),)),
     Mutant("swa-full", "llama.cpp's full-size sliding-window cache: the window never slides, the tests' "
                        "rollbacks from a slid window never happen",
@@ -66,7 +73,7 @@ MUTANTS = [
              "        held = len(self.tokens)\n        if held < len(self.tokens):"))),
     Mutant("split-verify", "a verify batch larger than n_batch is split and only its last chunk's rows read "
                            "(defect 2)",
-           (("native/core/engine.py", "n_batch=max(n_batch, DRAFT_MAX_CAP + 1)", "n_batch=n_batch"),
+           (("native/core/engine.py", "n_batch=max(n_batch, rows)", "n_batch=n_batch"),
             ("native/llama/ffi.py", 'if logits == "all" and n > self.n_batch:', "if False:"))),
     Mutant("wide-vocab-stop", "the draft samples its whole vocabulary and stops on an id the target lacks "
                               "(defect 3: the stop depends on the sampled value)",

@@ -60,6 +60,7 @@ class EngineConfig:
     flash_attn: str = "auto"
     draft_flash_attn: str | None = None
     mtp: bool | None = False
+    parallel: int = 1
 
     def options(self) -> dict:
         """Engine's keyword arguments (all but target, draft and the clock)."""
@@ -74,7 +75,7 @@ class EngineConfig:
                 "draft_ctx": self.draft_ctx, "draft_threads": self.draft_threads,
                 "draft_n_batch": self.draft_n_batch, "cpu_amx": self.cpu_amx,
                 "rollback_tokens": self.rollback_tokens, "flash_attn": self.flash_attn,
-                "draft_flash_attn": self.draft_flash_attn, "mtp": self.mtp}
+                "draft_flash_attn": self.draft_flash_attn, "mtp": self.mtp, "parallel": self.parallel}
 
     def open(self, clock: Callable[[], float] | None = None,
              factory: Callable[..., Engine] | None = None) -> Engine:

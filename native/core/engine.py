@@ -60,7 +60,8 @@ class Engine:
                  draft_devices: list[str] | None = None, draft_ctx: int | str | None = "auto",
                  draft_threads: int | None = None, draft_n_batch: int | None = None, cpu_amx: bool = False,
                  clock: Callable[[], float] | None = None, rollback_tokens: int = AUTO_DRAFT_CAP,
-                 flash_attn: str = "auto", draft_flash_attn: str | None = None, mtp: bool | None = False):
+                 flash_attn: str = "auto", draft_flash_attn: str | None = None, mtp: bool | None = False,
+                 parallel: int = 1):
         """Each model gets its own context size, batch size, threads and GPU layers (the draft's default to
         the target's); generation stops at the smaller context, since the draft holds the same tokens.
         `cpu_amx` lets llama.cpp use its AMX weight buffer, which crashes on some builds (native/llama/cpu.py).
@@ -73,7 +74,17 @@ class Engine:
         where the target has one (--drafter auto), False never.
         `draft_ctx`: the draft's context; smaller than ctx, the draft sees a window of that many recent tokens
         (after the history's first DRAFT_SINK); None or 0: the whole context; "auto": the whole context, or a
-        window of WINDOW_TRIAL tokens where a session measures that it pays (greedy, --draft-max auto)."""
+        window of WINDOW_TRIAL tokens where a session measures that it pays (greedy, --draft-max auto).
+        `parallel`: sequences held at once (`session(seq)` for each), `ctx` tokens each, in one cache per model, so
+        that one decode can carry rows of several (core/batch.py); more than one turns the MTP head and the window
+        trials off."""
+        if parallel < 1:
+            raise UsageError(f"--parallel must be at least 1 ({parallel})")
+        if parallel > 1 and mtp is True:
+            raise UsageError(f"the MTP drafter runs one sequence at a time (--parallel {parallel}); "
+                             "use --parallel 1 or another --drafter")
+        self.parallel = parallel
+        mtp = False if parallel > 1 else mtp
         self.window_auto = draft_ctx == "auto"
         if self.window_auto:
             draft_ctx = None
@@ -100,13 +111,15 @@ class Engine:
                                         tensor_split=draft_tensor_split, devices=draft_devices, cpu_amx=cpu_amx)
                 check_compatible(VocabInfo.of(self.target), VocabInfo.of(self.draft))
             # A verify batch [last, d1..dn] must be one decode with logits at every row: never split it.
-            self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=max(n_batch, DRAFT_MAX_CAP + 1),
-                                        n_outputs_max=DRAFT_MAX_CAP + 1, name="target",
+            rows = parallel * (DRAFT_MAX_CAP + 1)  # every sequence's verify in one decode
+            self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=max(n_batch, rows),
+                                        n_outputs_max=rows, name="target",
                                         n_rs_seq=rollback_tokens if self.target.is_recurrent_or_hybrid else 0,
-                                        flash_attn=flash_attn)
+                                        flash_attn=flash_attn, n_seq=parallel)
             self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,  # None or 0: all of it
-                                         n_batch=draft_n_batch or n_batch, n_outputs_max=AGREE_TOKENS, name="draft",
-                                         flash_attn=draft_flash_attn)
+                                         n_batch=max(draft_n_batch or n_batch, parallel),
+                                         n_outputs_max=max(AGREE_TOKENS, parallel), name="draft",
+                                         flash_attn=draft_flash_attn, n_seq=parallel)
                             if self.draft is not None else None)
             if mtp is not False and self.target.n_layer_nextn > 0:
                 self.mtp_ctx = _ffi.MtpContext(self.target, ctx, self.threads, n_batch=n_batch)
@@ -125,7 +138,7 @@ class Engine:
                 raise UsageError(f"--ctx-draft below --ctx makes the draft see a window of recent tokens, at least "
                                  f"{MIN_DRAFT_WINDOW} ({self.dft_ctx.n_ctx})")
             self.draft_window = self.dft_ctx.n_ctx
-        if self.draft_window is not None or self.draft is None or self.draft.is_recurrent_or_hybrid:
+        if self.draft_window is not None or self.draft is None or self.draft.is_recurrent_or_hybrid or parallel > 1:
             self.window_auto = False  # a fixed window, no draft model, or a memory that cannot drop a tail
         self.n_ctx = self.tgt_ctx.n_ctx
         self.clock = clock or time.perf_counter
@@ -141,8 +154,9 @@ class Engine:
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.target.tokenize(text, add_special=add_special, parse_special=True)
 
-    def session(self) -> "Session":
-        return Session(self)
+    def session(self, seq: int = 0) -> "Session":
+        """A conversation on sequence `seq` of both models' memories (one Session per sequence at a time)."""
+        return Session(self, seq)
 
     def close(self) -> None:
         for name in ("mtp_ctx", "dft_ctx", "tgt_ctx"):

@@ -55,6 +55,11 @@ class Generation:
         self._ctxs = [c for c in (eng.tgt_ctx, eng.dft_ctx if speculative else None) if c is not None]
 
     @property
+    def sampling(self) -> Sampling | None:
+        """The sampling state of the running generation (set by start())."""
+        return self._samp
+
+    @property
     def text(self) -> str:
         return "".join(self._text)
 
@@ -93,46 +98,87 @@ class Generation:
         return self._make_stats("running", 0.0 if t0 is None else self._clock() - t0)
 
     def __iter__(self) -> Iterator[TokenEvent]:
+        self.start()
+        try:
+            while (plan := self.plan()) is not None:
+                step = self.session._step(self.settings, self._samp, *plan)
+                events = self.take(step)
+                yield from self._deliver(step, events)
+                self.after_delivery()
+            self._settle_window(finished=True)
+        finally:
+            self.conclude()
+
+    # ---- the loop's pieces: a batch of sequences (core/batch.py) runs them itself, one step for all ----
+    def start(self) -> None:
+        """Evaluate the prompt and get ready for the first step."""
         ses, s, p = self.session, self.settings, self._p
+        self._stop = "interrupted"  # until the loop ends by itself
+        self._done = self._first = False
         self._prefill()
-        samp = self._samp = Sampling(s, self.speculative)
+        self._samp = Sampling(s, self.speculative)
         if self.controller is not None:
             p.plain0, p.probes0 = self.controller.n_plain_steps, self.controller.n_probes
-        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        stop = "interrupted"  # until the loop ends by itself
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         p.decode0 = self._decode_s()
         p.restores0, p.rollbacks0, p.slides0 = ses.n_restores, ses.n_rollbacks, self._window_counts()[0]
         p.t_gen0 = self._clock()
-        try:
-            while True:
-                remaining = None if s.n_predict is None else s.n_predict - len(self.tokens)
-                done = self._stop_before_step(remaining)
-                if done:
-                    stop = done
-                    break
-                t_step = self._clock()
-                first = p.n_steps == 0 and self.speculative
-                # the first token comes from the target's prefill alone (a plain step): drafting waits for it
-                n_draft_max, drafters = (0, ()) if first else self._plan(remaining)
-                step = ses._step(s, samp, max(n_draft_max, 0), drafters)
-                p.n_steps += 1
-                p.draft_s += step.draft_s
-                p.verify_s += step.verify_s
-                events, done = self._emit(step, utf8, remaining)
-                if self.speculative:
-                    p.count_step(step, len(events))
-                ses._rewind()
-                if not first:
-                    self._observe(step, t_step)
-                yield from self._deliver(step, events)
-                if done:
-                    stop = done
-                    break
-                if first:
-                    self._read_prompt()
-            self._settle_window(finished=True)
-        finally:
-            self._end(stop, samp, utf8)
+
+    def plan(self) -> tuple[int, tuple[str, ...] | None] | None:
+        """The next step's draft length and drafters, or None where the generation has ended."""
+        remaining = self._remaining()
+        done = None if self._done else self._stop_before_step(remaining)
+        if self._done or done:
+            self._stop = done or self._stop
+            return None
+        self._t_step = self._clock()
+        self._first = self._p.n_steps == 0 and self.speculative
+        # the first token comes from the target's prefill alone (a plain step): drafting waits for it
+        n_draft_max, drafters = (0, ()) if self._first else self._plan(remaining)
+        return max(n_draft_max, 0), drafters
+
+    def take(self, step: StepResult) -> list[TokenEvent]:
+        """Commit a step's tokens, count it, rewind the memories to the history and tell the controller."""
+        p = self._p
+        p.n_steps += 1
+        p.draft_s += step.draft_s
+        p.verify_s += step.verify_s
+        events, done = self._emit(step, self._utf8, self._remaining())
+        if self.speculative:
+            p.count_step(step, len(events))
+        self._last = (step, len(events))
+        self.session._rewind()
+        if not self._first:
+            self._observe(step, self._t_step)
+        if done:
+            self._stop, self._done = done, True
+        return events
+
+    def after_delivery(self) -> None:
+        """Once the first token is out: the draft's side of the prefill (_read_prompt)."""
+        if self._first and not self._done:
+            self._first = False
+            self._read_prompt()
+
+    @property
+    def ended(self) -> bool:
+        """Whether the last step ended the generation (end of generation, n_predict): conclude() comes next."""
+        return self._done
+
+    def keep(self, n: int) -> None:
+        """The consumer used only the last step's first n tokens (a stop string): count only those."""
+        step, n_events = self._last
+        if self.speculative and n < n_events:
+            self._p.count_step(step, n_events, sign=-1)
+            self._p.count_step(step, n)
+
+    def conclude(self) -> None:
+        """End the generation (also when interrupted): rewind, and the final stats."""
+        self._end(self._stop, self._samp, self._utf8)
+
+    def _remaining(self) -> int | None:
+        s = self.settings
+        return None if s.n_predict is None else s.n_predict - len(self.tokens)
 
     def _stop_before_step(self, remaining: int | None) -> str | None:
         if remaining is not None and remaining <= 0:

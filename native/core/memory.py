@@ -104,6 +104,22 @@ class Memory:
         self.ctx.clear()
 
 
+def extend_many(parts: list[tuple[Memory, list[int], str]]) -> None:
+    """Extend several sequences' memories of one model in one decode: (memory, tokens, logits) each, one memory
+    per sequence; each records its tokens first, as `Memory.extend` does. A memory's rows are then read through
+    its own context view (`ctx.logits`)."""
+    parts = [p for p in parts if p[1]]
+    if len(parts) <= 1:
+        for m, new, logits in parts:
+            m.extend(new, logits)
+        return
+    rows = []
+    for m, new, logits in parts:
+        rows.append((m.ctx.seq, new, len(m.tokens), logits))
+        m.tokens.extend(new)
+    parts[0][0].ctx.parent.decode_seqs(rows)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:

@@ -56,11 +56,15 @@ class Session:
     """One conversation: the token history, the target's memory and the drafters' (`drafters`, by name), kept
     consistent across generations."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, seq: int = 0):
         self.engine = engine
+        self.seq = seq  # its sequence in both models' memories (Engine(parallel=N): 0..N-1)
+        one = engine.parallel == 1
+        self.tgt_ctx = engine.tgt_ctx if one else engine.tgt_ctx.seq(seq)
+        self.dft_ctx = engine.dft_ctx if one or engine.dft_ctx is None else engine.dft_ctx.seq(seq)
         self.history: list[int] = []  # changed in place only: drafters read the same list
         self._controllers: dict[tuple, AdaptiveDraft | AdaptiveDrafters] = {}
-        self.tgt = Memory(engine.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
+        self.tgt = Memory(self.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
         self.drafters: dict[str, Drafter] = registry.build(self)
         # the drafter with a memory of the prompt (a draft model), which prefill fills, times and compares
         self.reader = next((d for d in self.drafters.values() if d.reads_prompt), None)

@@ -100,6 +100,12 @@ class Drafter:
         """Up to n_max tokens to follow the history (n_max >= 1)."""
         raise NotImplementedError
 
+    @classmethod
+    def propose_batch(cls, asks: list[tuple[Drafter, int, GenerationSettings, Sampling]]) -> list[Proposal]:
+        """Proposals of several sessions' drafters of this kind, one per (drafter, n_max, settings, sampling): a
+        batch of sequences drafts together (core/batch.py). By default one after another."""
+        return [d.propose(n, s, samp) for d, n, s, samp in asks]
+
     def limit(self, n_max: int, s: GenerationSettings) -> int:
         """The most it could propose now, at most n_max (--drafter auto weighs drafters by it)."""
         return n_max

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...errors import UsageError
-from ..core.memory import Memory, common_prefix
+from ..core.memory import Memory, common_prefix, extend_many
 from ..core.sampling import Sampling
 from ..core.settings import DRAFT_SINK
-from .base import CATCHUP_SHORT, Agreement, Drafter, Proposal, pick_loop, timed
+from .base import CATCHUP_SHORT, Agreement, Drafter, Proposal, pick, pick_loop, timed
 from .window import DraftWindow, agreeing
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class ModelDrafter(Drafter):
     def __init__(self, session: Session):
         super().__init__(session)
         eng = session.engine
-        self.memory = Memory(eng.dft_ctx, partial_rm=not eng.draft.is_recurrent_or_hybrid)
+        self.memory = Memory(session.dft_ctx, partial_rm=not eng.draft.is_recurrent_or_hybrid)
         self.n_slides = 0  # times the window moved on (a smaller --ctx-draft)
         # the window: --ctx-draft's, or with --ctx-draft auto what the window trials chose (None: all)
         self.window = eng.draft_window
@@ -79,6 +79,49 @@ class ModelDrafter(Drafter):
         drafts, dists = pick_loop(lambda: dft.ctx.logits(1)[0], lambda tok, i: dft.extend([tok], logits="last"),
                                   n_max, s.p_min, samp, self.session.engine.target.n_vocab, clock)
         return timed(drafts, dists, catchup, t_start, t_start if catchup <= CATCHUP_SHORT else None, t_loop, clock())
+
+    @classmethod
+    def propose_batch(cls, asks: list[tuple[ModelDrafter, int, GenerationSettings, Sampling]]) -> list[Proposal]:
+        """propose() for several sequences of one draft context: each draft position is one decode over the
+        sequences still drafting (the catch-ups too, where they fit one batch); each picks from its own rows
+        with its own sampling state. The drafting time is the batch's, counted whole for each."""
+        if len(asks) <= 1:
+            return [d.propose(n, s, samp) for d, n, s, samp in asks]
+        clock = asks[0][0].session.engine.clock
+        n_vocab = asks[0][0].session.engine.target.n_vocab
+        t_start = clock()
+        behind = []
+        for d, n_max, _, _ in asks:
+            d.fit(len(d.session.history) + n_max)
+            behind.append(d.session.history[d.memory.next_index():])
+        catchup = [len(todo) for todo in behind]
+        if sum(map(len, behind)) > asks[0][0].memory.ctx.n_batch:  # long catch-ups first, one at a time
+            for (d, *_), todo in zip(asks, behind):
+                d.memory.extend(todo[:-1], logits="none")
+            behind = [todo[-1:] for todo in behind]
+        extend_many([(d.memory, todo, "last") for (d, *_), todo in zip(asks, behind)])
+        for d, *_ in asks:
+            d.memory.save_checkpoint()
+        t_loop = clock()
+        drafts: list[list] = [[] for _ in asks]
+        dists: list[list] = [[] for _ in asks]
+        active = list(range(len(asks)))
+        while active:
+            more = []
+            for i in active:
+                d, n_max, s, samp = asks[i]
+                got = pick(d.memory.ctx.logits(1)[0], s.p_min, samp, n_vocab, clock)
+                if got is not None:
+                    drafts[i].append(got[0])
+                    if got[1] is not None:
+                        dists[i].append(got[1])
+                    if len(drafts[i]) < n_max:
+                        more.append(i)
+            extend_many([(asks[i][0].memory, drafts[i][-1:], "last") for i in more])
+            active = more
+        t_end = clock()
+        return [timed(drafts[i], dists[i], catchup[i], t_start, t_start if catchup[i] <= CATCHUP_SHORT else None,
+                      t_loop, t_end) for i in range(len(asks))]
 
     def fit(self, n_tokens: int) -> None:
         """Move the window on, if there is one, so that it can hold the history's first n_tokens tokens: it

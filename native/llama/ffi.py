@@ -354,23 +354,27 @@ FLASH_ATTN = {"auto": C.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": C.LLAMA_FLASH_ATTN_TYP
 
 
 class Context(_Handle):
-    """A llama.cpp context (the KV cache / recurrent state of one sequence) over a Model."""
+    """A llama.cpp context (the KV cache / recurrent state of its sequences) over a Model. Methods that touch one
+    sequence take `seq` (default 0); `seq(i)` is a view of sequence i that speaks like a one-sequence Context."""
 
     def __init__(self, model: Model, n_ctx: int, n_threads: int, n_batch: int = 512,
                  n_outputs_max: int = 0, name: str = "model", n_rs_seq: int = 0, flash_attn: str = "auto",
-                 swa_full: bool = False):
+                 swa_full: bool = False, n_seq: int = 1):
         """`n_rs_seq`: recurrent-state snapshots kept for rolling back the tail of the last decode without a
         checkpoint (llama.cpp's experimental n_rs_seq; 0 where the architecture does not support it).
         `flash_attn`: "on", "off" or "auto" (llama.cpp's choice: on where the device supports it).
         `swa_full`: give sliding-window layers a full-size cache (llama.cpp's default) instead of one that keeps
-        about window + n_ubatch positions; specq keeps the small one and checks each rollback (`window_intact`)."""
+        about window + n_ubatch positions; specq keeps the small one and checks each rollback (`window_intact`).
+        `n_seq`: sequences held at once, n_ctx cells each, in one unified cache (kv_unified: a batch mixing any
+        sequences with any row counts is one ubatch, where separate streams split it into equal-length ones)."""
         self.model = model
         self.name = name
         params = C.llama_context_default_params()
-        params.n_ctx = int(n_ctx)
+        params.n_ctx = int(n_ctx) * int(n_seq)
         params.n_batch = int(n_batch)
         params.n_ubatch = int(n_batch)
-        params.n_seq_max = 1
+        params.n_seq_max = int(n_seq)
+        params.kv_unified = n_seq > 1
         params.n_threads = int(n_threads)
         params.n_threads_batch = int(n_threads)
         params.n_outputs_max = int(n_outputs_max)
@@ -385,12 +389,15 @@ class Context(_Handle):
             raise SpecqError(f"llama.cpp could not create a context for {model.path} (n_ctx={n_ctx}); "
                              "try a smaller --ctx or fewer GPU layers")
         self._h = handle
-        self.n_ctx = int(C.llama_n_ctx(handle))
+        self.n_seq = int(n_seq)
+        self.n_ctx = int(C.llama_n_ctx(handle)) // self.n_seq  # one sequence's
         self.n_batch = int(C.llama_n_batch(handle))
         self.n_vocab = model.n_vocab
         self._mem = C.llama_get_memory(handle)
         self._batch = C.llama_batch_init(self.n_batch, 0, 1)
         b = self._batch
+        self._seq_ids = np.zeros(self.n_batch, np.int32)  # what the batch's seq_id[i][0] hold now
+        self._seq_want = np.zeros(self.n_batch, np.int32)
         self._tok = np.ctypeslib.as_array(b.token, shape=(self.n_batch,))
         self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
         self._out = np.ctypeslib.as_array(b.logits, shape=(self.n_batch,))
@@ -402,7 +409,10 @@ class Context(_Handle):
         self.decode_s = 0.0  # wall time spent inside llama_decode, for overhead accounting
         self.n_decode_calls = 0
         self.n_rs_seq = int(C.llama_n_rs_seq(handle))  # what llama.cpp granted (clamped to 0 if unsupported)
-        self.last_decode_pos0 = 0  # first position of the last llama_decode: rollback snapshots cover only it
+        self._last_pos0 = {0: 0}  # each sequence's first position in its last llama_decode (rollback snapshots)
+        self._out_row = {0: 0}  # each sequence's first output row in the last llama_decode
+        self.n_multi_decodes = 0  # decodes that carried rows of two or more sequences
+        self.max_seqs_per_decode = 1
         # sliding-window layers that may have dropped old positions: the window (0: none, or a full-size cache)
         self.n_swa = 0 if swa_full else int(C.llama_model_n_swa(model.handle))
         self.on_decode = None  # called as on_decode(name, n_tokens, pos0) after each llama_decode (simulated clocks)
@@ -421,7 +431,20 @@ class Context(_Handle):
         self.decode([tok], 2, logits="last")
         self.n_warm_up_decodes = self.n_decode_calls
         self.clear()
-        self.decode_s, self.n_decode_calls, self.n_outputs, self.last_decode_pos0 = 0.0, 0, 0, 0
+        self.decode_s, self.n_decode_calls, self.n_outputs = 0.0, 0, 0
+        self._last_pos0 = {0: 0}
+        self.n_multi_decodes, self.max_seqs_per_decode = 0, 1
+
+    @property
+    def last_decode_pos0(self) -> int:
+        """Sequence 0's first position in its last llama_decode (rollback snapshots cover only that decode)."""
+        return self._last_pos0.get(0, 0)
+
+    def seq(self, seq: int) -> "SeqContext":
+        """A view of sequence `seq` that speaks like a one-sequence Context (Memory holds one)."""
+        if not 0 <= seq < self.n_seq:
+            raise ValueError(f"{self.name}: sequence {seq} of {self.n_seq}")
+        return SeqContext(self, seq)
 
     def output_hidden(self, on_hidden) -> None:
         """After each decode, hand the trunk's last hidden state of every batch position (the MTP head's input,
@@ -444,8 +467,8 @@ class Context(_Handle):
         C.llama_batch_free(self._batch)
         C.llama_free(handle)
 
-    def decode(self, tokens, pos0: int, logits: str = "last") -> None:
-        """Evaluate `tokens` at positions pos0.. ; logits: "last", "all" or "none".
+    def decode(self, tokens, pos0: int, logits: str = "last", seq: int = 0) -> None:
+        """Evaluate `tokens` at positions pos0.. of sequence `seq`; logits: "last", "all" or "none".
 
         Batches longer than n_batch are split (a prefill); logits="all" must fit in one batch, since only
         one chunk's outputs can be read back.
@@ -459,48 +482,103 @@ class Context(_Handle):
         if pos0 + n > self.n_ctx:
             raise ContextFullError(
                 f"{self.name} context is full ({pos0 + n} tokens > ctx {self.n_ctx}); use a larger --ctx")
-        h = self.handle
         start = 0
         while start < n:
             m = min(self.n_batch, n - start)
             final = start + m == n
             self._tok[:m] = tokens[start:start + m]
             self._pos[:m] = np.arange(pos0 + start, pos0 + start + m, dtype=np.int32)
+            self._set_seqs(m, seq)
             self._out[:m] = 0
             if final and logits == "all":
                 self._out[:m] = 1
             elif final and logits == "last":
                 self._out[m - 1] = 1
-            self._batch.n_tokens = m
-            t0 = time.perf_counter()
-            self.last_decode_pos0 = pos0 + start
-            with call_clock(f"{self.name} decode"):
-                rc = C.llama_decode(h, self._batch)
-            self.decode_s += time.perf_counter() - t0
-            self.n_decode_calls += 1
-            if self.on_decode is not None:
-                self.on_decode(self.name, m, pos0 + start)
-            if rc == 0 and self.on_hidden is not None:
-                self.on_hidden(pos0 + start, self._hidden_rows(m))
-            if rc != 0:
-                if rc == 1:
-                    raise ContextFullError(
-                        f"{self.name} context has no room for {m} more tokens (ctx {self.n_ctx}); "
-                        "use a larger --ctx")
-                if rc == 2:
-                    raise KeyboardInterrupt
-                raise LlamaCallError("llama_decode", rc, f"{self.name}: batch of {m} at pos {pos0 + start}")
+            self._last_pos0[seq] = pos0 + start
+            self._out_row = {seq: 0}
+            self._run(m, pos0 + start, f"{self.name}: batch of {m} at pos {pos0 + start}")
             start += m
         self.n_outputs = (n - (start - m)) if logits == "all" else (1 if logits == "last" else 0)
 
-    def logits(self, n_rows: int | None = None) -> np.ndarray:
-        """A read-only (n_rows, n_vocab) float32 view of the last decode's outputs (valid until the next decode)."""
+    def decode_seqs(self, parts: list[tuple[int, list[int], int, str]]) -> None:
+        """One llama_decode of several sequences' rows: parts (seq, tokens, pos0, logits "last"|"all"|"none"),
+        each sequence once. Their output rows follow the parts' order; `logits(n, seq)` reads a sequence's."""
+        parts = [p for p in parts if p[1]]
+        m = sum(len(p[1]) for p in parts)
+        if m > self.n_batch or len({p[0] for p in parts}) != len(parts) or self.on_hidden is not None:
+            raise SpecqError(f"{self.name}: a batch of {m} rows over {len(parts)} sequences cannot be one decode "
+                             f"(batch size {self.n_batch}); this is a bug in the caller")
+        if m == 0:
+            return
+        i, row, outs = 0, 0, {}
+        for seq, tokens, pos0, logits in parts:
+            n = len(tokens)
+            if pos0 + n > self.n_ctx:
+                raise ContextFullError(
+                    f"{self.name} context is full ({pos0 + n} tokens > ctx {self.n_ctx}); use a larger --ctx")
+            self._tok[i:i + n] = tokens
+            self._pos[i:i + n] = np.arange(pos0, pos0 + n, dtype=np.int32)
+            self._seq_want[i:i + n] = seq
+            self._out[i:i + n] = 1 if logits == "all" else 0
+            if logits == "last":
+                self._out[i + n - 1] = 1
+            outs[seq] = row
+            row += n if logits == "all" else (1 if logits == "last" else 0)
+            self._last_pos0[seq] = pos0
+            i += n
+        self._set_seqs(m, None)
+        self._out_row = outs
+        self.n_outputs = row
+        if len(parts) >= 2:
+            self.n_multi_decodes += 1
+            self.max_seqs_per_decode = max(self.max_seqs_per_decode, len(parts))
+        self._run(m, max(p[2] for p in parts), f"{self.name}: batch of {m} rows over {len(parts)} sequences")
+
+    def _set_seqs(self, m: int, seq: int | None) -> None:
+        """Point the batch's first m rows at their sequences (seq, or for None what _seq_want holds); only the
+        rows that change are written (one C write each)."""
+        want = self._seq_want[:m]
+        if seq is not None:
+            want[:] = seq
+        b = self._batch
+        for i in np.flatnonzero(self._seq_ids[:m] != want):
+            b.seq_id[int(i)][0] = int(want[i])
+        self._seq_ids[:m] = want
+
+    def _run(self, m: int, pos0: int, what: str) -> None:
+        """llama_decode of the batch's first m rows, timed; its return code as an exception."""
+        self._batch.n_tokens = m
+        t0 = time.perf_counter()
+        with call_clock(f"{self.name} decode"):
+            rc = C.llama_decode(self.handle, self._batch)
+        self.decode_s += time.perf_counter() - t0
+        self.n_decode_calls += 1
+        if self.on_decode is not None:
+            self.on_decode(self.name, m, pos0)
+        if rc == 0 and self.on_hidden is not None:
+            self.on_hidden(pos0, self._hidden_rows(m))
+        if rc != 0:
+            if rc == 1:
+                raise ContextFullError(
+                    f"{self.name} context has no room for {m} more tokens (ctx {self.n_ctx}); use a larger --ctx")
+            if rc == 2:
+                raise KeyboardInterrupt
+            raise LlamaCallError("llama_decode", rc, what)
+
+    def output_index(self, i: int, seq: int = 0) -> int:
+        """The last decode's output row of a sequence's i-th row."""
+        return self._out_row.get(seq, 0) + i
+
+    def logits(self, n_rows: int | None = None, seq: int = 0) -> np.ndarray:
+        """A read-only (n_rows, n_vocab) float32 view of the last decode's outputs (a sequence's rows, where it
+        shared the decode with others; valid until the next decode)."""
         rows = self.n_outputs if n_rows is None else n_rows
         with call_clock(f"{self.name} logits"):  # waits for the decode's last results
             ptr = C.llama_get_logits(self.handle)
         if not ptr or rows <= 0:
             raise SpecqError(f"{self.name}: no logits available from the last decode")
-        arr = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
+        off = self._out_row.get(seq, 0)
+        arr = np.ctypeslib.as_array(ptr, shape=(off + rows, self.n_vocab))[off:]
         arr.flags.writeable = False
         return arr
 
@@ -513,42 +591,96 @@ class Context(_Handle):
         return np.ctypeslib.as_array(ptr, shape=(m, self._n_embd))
 
     # -- memory -------------------------------------------------------------------------------
-    def seq_rm(self, p0: int, p1: int = -1) -> bool:
+    def seq_rm(self, p0: int, p1: int = -1, seq: int = 0) -> bool:
         """Remove positions [p0, p1) of the sequence; False where the memory cannot remove part of it."""
-        return bool(C.llama_memory_seq_rm(self._mem, 0, p0, p1))
+        return bool(C.llama_memory_seq_rm(self._mem, seq, p0, p1))
 
-    def pos_max(self) -> int:
-        return int(C.llama_memory_seq_pos_max(self._mem, 0))
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make sequence dst also hold src's positions [p0, p1) (one unified cache: no data is copied)."""
+        C.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
-    def pos_min(self) -> int:
+    def pos_max(self, seq: int = 0) -> int:
+        return int(C.llama_memory_seq_pos_max(self._mem, seq))
+
+    def pos_min(self, seq: int = 0) -> int:
         """The oldest position the memory still holds (-1 when empty); > 0 once a sliding window has slid."""
-        return int(C.llama_memory_seq_pos_min(self._mem, 0))
+        return int(C.llama_memory_seq_pos_min(self._mem, seq))
 
-    def window_intact(self, n: int) -> bool:
+    def window_intact(self, n: int, seq: int = 0) -> bool:
         """Whether the memory still holds every position a token at position n attends to, so that keeping
         positions < n and decoding from n is exact. A sliding-window cache reuses the cells of positions that
         left the window; llama.cpp's seq_rm reports success even when the cells n needs are gone (llama-server
         makes the same check, pos_min against pos - n_swa, before reusing a cached prompt)."""
-        return self.n_swa == 0 or self.pos_min() <= max(0, n - self.n_swa)
+        return self.n_swa == 0 or self.pos_min(seq) <= max(0, n - self.n_swa)
 
-    def clear(self) -> None:
-        C.llama_memory_clear(self._mem, True)
+    def clear(self, seq: int | None = None) -> None:
+        """Empty the memory (None: every sequence), or one sequence's part of it."""
+        if seq is None or self.n_seq == 1:
+            C.llama_memory_clear(self._mem, True)
+        else:
+            C.llama_memory_seq_rm(self._mem, seq, -1, -1)
 
-    def state_get(self, partial: bool = True) -> bytes:
+    def state_get(self, partial: bool = True, seq: int = 0) -> bytes:
         flags = C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
-        size = C.llama_state_seq_get_size_ext(self.handle, 0, flags)
+        size = C.llama_state_seq_get_size_ext(self.handle, seq, flags)
         buf = (ctypes.c_uint8 * size)()
-        n = C.llama_state_seq_get_data_ext(self.handle, buf, size, 0, flags)
+        n = C.llama_state_seq_get_data_ext(self.handle, buf, size, seq, flags)
         if n != size:
             raise LlamaCallError("llama_state_seq_get_data_ext", int(n), f"{self.name}: expected {size} bytes")
         return bytes(buf)
 
-    def state_set(self, data: bytes, partial: bool = True) -> None:
+    def state_set(self, data: bytes, partial: bool = True, seq: int = 0) -> None:
         flags = C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        n = C.llama_state_seq_set_data_ext(self.handle, buf, len(data), 0, flags)
+        n = C.llama_state_seq_set_data_ext(self.handle, buf, len(data), seq, flags)
         if n == 0:
             raise LlamaCallError("llama_state_seq_set_data_ext", 0, f"{self.name}: {len(data)} bytes not restored")
+
+
+class SeqContext:
+    """One sequence of a multi-sequence Context, with a one-sequence Context's interface: what Memory, the
+    drafters and the samplers call reach the parent with this sequence's id."""
+
+    def __init__(self, parent: Context, seq: int):
+        self.parent = parent
+        self.seq = seq
+        for name in ("model", "name", "n_ctx", "n_batch", "n_vocab", "n_rs_seq", "n_swa", "n_outputs_max"):
+            setattr(self, name, getattr(parent, name))
+
+    handle = property(lambda self: self.parent.handle)
+    decode_s = property(lambda self: self.parent.decode_s)
+    n_decode_calls = property(lambda self: self.parent.n_decode_calls)
+    last_decode_pos0 = property(lambda self: self.parent._last_pos0.get(self.seq, 0))
+
+    def decode(self, tokens, pos0: int, logits: str = "last") -> None:
+        self.parent.decode(tokens, pos0, logits, seq=self.seq)
+
+    def logits(self, n_rows: int | None = None) -> np.ndarray:
+        return self.parent.logits(n_rows, seq=self.seq)
+
+    def output_index(self, i: int) -> int:
+        return self.parent.output_index(i, seq=self.seq)
+
+    def seq_rm(self, p0: int, p1: int = -1) -> bool:
+        return self.parent.seq_rm(p0, p1, seq=self.seq)
+
+    def pos_max(self) -> int:
+        return self.parent.pos_max(self.seq)
+
+    def pos_min(self) -> int:
+        return self.parent.pos_min(self.seq)
+
+    def window_intact(self, n: int) -> bool:
+        return self.parent.window_intact(n, seq=self.seq)
+
+    def clear(self) -> None:
+        self.parent.clear(seq=self.seq)
+
+    def state_get(self, partial: bool = True) -> bytes:
+        return self.parent.state_get(partial, seq=self.seq)
+
+    def state_set(self, data: bytes, partial: bool = True) -> None:
+        self.parent.state_set(data, partial, seq=self.seq)
 
 
 class MtpContext(_Handle):
@@ -696,7 +828,7 @@ class Sampler(_Handle):
     def sample(self, ctx: Context, idx: int) -> int:
         """Sample (and accept) a token from output row `idx` of ctx's last decode."""
         with call_clock(f"{ctx.name} sampling"):
-            return int(C.llama_sampler_sample(self._h, ctx.handle, idx))
+            return int(C.llama_sampler_sample(self._h, ctx.handle, ctx.output_index(idx)))
 
     def _free(self, handle) -> None:
         C.llama_sampler_free(handle)

@@ -1,0 +1,145 @@
+"""Several sequences' speculative steps as one (Engine(parallel=N), a Session per sequence).
+
+The step of each sequence is Session._step's, done for all of them together:
+1. **Draft**: each sequence's drafter list is tried in order, as `Session._propose` does; the sequences that
+   reach a drafter of the same kind draft together (`Drafter.propose_batch`: for a draft model, one decode per
+   draft position over the sequences still drafting).
+2. **Verify**: ONE target decode carries every sequence's `[last, d1..dn]` rows, logits at each.
+3. **Accept**: each sequence's own rule and sampling state on its own rows (`Session._accept`), before any
+   sequence rewinds (a hybrid target's rewind may decode again and replace the logits).
+The rewind is each generation's own (`Generation.take`), one sequence at a time (`seq_rm` on its sequence id).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..drafters.base import Drafter, Proposal
+from .memory import extend_many
+from .sampling import Sampling
+from .settings import GenerationSettings
+from .stats import TokenEvent
+
+if TYPE_CHECKING:
+    from .generation import Generation
+    from .session import Session, StepResult
+
+
+@dataclass
+class Ask:
+    """One sequence's part of a batched step: what `Session._step` takes."""
+
+    session: Session
+    settings: GenerationSettings
+    samp: Sampling
+    n_draft_max: int
+    drafters: tuple[str, ...] | None = None
+
+
+def _propose_all(asks: list[Ask]) -> tuple[list[Proposal], list[str | None]]:
+    """Each sequence's proposal and its drafter's name: the first drafter of its list with a proposal (one that
+    drafts only on a match is passed over without); drafters of one kind propose together."""
+    props: list[Proposal] = [Proposal() for _ in asks]
+    names: list[str | None] = [None] * len(asks)
+    groups: dict[type, list[tuple[int, Drafter]]] = {}
+    for i, a in enumerate(asks):
+        ses = a.session
+        for name in (ses.available_drafters(a.settings) if a.drafters is None else a.drafters) \
+                if a.n_draft_max > 0 else ():
+            d = ses.drafters.get(name)
+            if d is None:
+                continue
+            if d.on_match_only:
+                prop = d.propose(a.n_draft_max, a.settings, a.samp)
+                if not prop.tokens:
+                    continue
+                props[i], names[i] = prop, name
+            else:
+                groups.setdefault(type(d), []).append((i, d))
+                names[i] = name
+            break
+    for cls, members in groups.items():
+        got = cls.propose_batch([(d, asks[i].n_draft_max, asks[i].settings, asks[i].samp) for i, d in members])
+        for (i, _), prop in zip(members, got):
+            props[i] = prop
+    return props, names
+
+
+def step_all(asks: list[Ask]) -> list[StepResult]:
+    """One speculative step of every sequence asked: their drafts, one verify decode for all, each one's
+    acceptance. Draft and verify times are the batch's, the same for each sequence."""
+    from .session import StepResult
+
+    clock = asks[0].session.engine.clock
+    t0 = clock()
+    props, names = _propose_all(asks)
+    drafts, dists = [], []
+    for a, prop, i in zip(asks, props, range(len(asks))):
+        keep = len(prop.tokens) >= a.settings.draft_min
+        drafts.append(prop.tokens if keep else [])
+        dists.append(prop.dists if keep else [])
+        if not keep:
+            names[i] = None
+    t1 = clock()
+    for a, d in zip(asks, drafts):
+        a.session.tgt.save_checkpoint(n_next=len(d) + 1)  # the verify is one decode; its first token stays
+    extend_many([(a.session.tgt, [a.session.history[-1]] + d, "all") for a, d in zip(asks, drafts)])
+    emitted = [a.session._accept(d, q, a.samp) for a, d, q in zip(asks, drafts, dists)]
+    verify_s = clock() - t1
+    return [StepResult(e, len(d), t1 - t0, verify_s, p.first_token_s, p.token_s, drafter=n, catchup=p.catchup)
+            for e, d, p, n in zip(emitted, drafts, props, names)]
+
+
+class Batch:
+    """Generations on different sequences of one engine, stepped together: `add` evaluates a prompt, `step`
+    advances every live generation by one speculative step and returns each one's tokens; a generation that has
+    ended leaves the batch (its `stats` set) at the next step."""
+
+    def __init__(self) -> None:
+        self.live: list[Generation] = []
+        self.n_steps = 0  # batched steps run
+        self.most_in_a_step = 0  # the most sequences one step carried
+
+    def add(self, gen: Generation) -> None:
+        seqs = {g.session.seq for g in self.live}
+        if gen.session.seq in seqs:
+            raise ValueError(f"sequence {gen.session.seq} already runs a generation in this batch")
+        gen.start()
+        self.live.append(gen)
+
+    def step(self) -> list[tuple[Generation, list[TokenEvent]]]:
+        """One step of every live generation: (generation, its new tokens) each. A generation whose step ended it
+        (or that could not step: n_predict, a full context) leaves the batch with its stats final."""
+        out, going, plans = [], [], []
+        for g in self.live:
+            plan = g.plan()
+            if plan is None:
+                g.conclude()
+                out.append((g, []))
+            else:
+                going.append(g)
+                plans.append(plan)
+        self.live = going
+        if going:
+            results = step_all([Ask(g.session, g.settings, g.sampling, *plan) for g, plan in zip(going, plans)])
+            self.n_steps += 1
+            self.most_in_a_step = max(self.most_in_a_step, len(going))
+            out += [(g, g.take(r)) for g, r in zip(going, results)]
+            for g in going:  # a first token is out (or, here, ready): the draft reads the prompt now
+                g.after_delivery()
+            for g in going:
+                if g.ended:  # it leaves at once: its stats are final, its sequence free
+                    self.live.remove(g)
+                    g.conclude()
+        return out
+
+    def cancel(self, gen: Generation) -> None:
+        """End a generation now, between steps (its memories rewound to its history)."""
+        self.live.remove(gen)
+        gen.conclude()
+
+    def run(self) -> None:
+        """Step until every generation has ended."""
+        while self.live:
+            self.step()

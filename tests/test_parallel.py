@@ -1,0 +1,218 @@
+"""Several sequences decoded together (Engine(parallel=N), core/batch.py): each sequence's output is its own run
+alone, its sampling law is the target's while others are decoded beside it, and the verify of several sequences
+is one llama_decode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specq.errors import UsageError
+from specq.native.core.batch import Batch
+from specq.native.core.engine import Engine
+from specq.native.core.settings import GenerationSettings
+from specq.native.llama import ffi as _ffi
+from stats import chi2_pvalue
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "Once upon a time, there"]
+
+
+def alone(target, prompts: list[str], lengths: list[int], ctx: int = 256) -> list[list[int]]:
+    """Each prompt's greedy answer from the target alone, one sequence, one token per step."""
+    with Engine(target, ctx=ctx, threads=1) as e:
+        out = []
+        for p, n in zip(prompts, lengths):
+            ses = e.session()
+            g = ses.generate(e.tokenize(p), GenerationSettings(n_predict=n), speculative=False).run()
+            out.append(g.tokens)
+        return out
+
+
+def together(e: Engine, prompts: list[str], lengths: list[int], late: int = 0, **kw) -> list:
+    """Generations on sequences 0.. stepped as one batch; the last `late` join after two steps."""
+    batch = Batch()
+    gens = [e.session(i).generate(e.tokenize(p), GenerationSettings(n_predict=n, **kw))
+            for i, (p, n) in enumerate(zip(prompts, lengths))]
+    for g in gens[:len(gens) - late]:
+        batch.add(g)
+    batch.step()
+    batch.step()
+    for g in gens[len(gens) - late:]:
+        batch.add(g)
+    batch.run()
+    return gens
+
+
+def assert_consistent(ses):
+    """Each memory holds exactly its token list (on its own sequence), a prefix of the history."""
+    for mem, committed in ((ses.tgt, ses.history[:-1]), (ses.dft, ses.history)):
+        if mem is not None:
+            assert mem.ctx.pos_max() == len(mem.tokens) - 1, (mem.ctx.name, mem.ctx.seq)
+            assert mem.tokens == committed[:len(mem.tokens)]
+
+
+def test_each_sequence_greedy_equals_its_own_run_alone(tiny_target, tiny_close):
+    lengths = [40, 12, 33, 25]
+    want = alone(tiny_target, PROMPTS, lengths)
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1, parallel=4) as e:
+        gens = together(e, PROMPTS, lengths, late=1, draft_max=4)
+        for g, w in zip(gens, want):
+            assert len(set(w)) > 5
+            assert g.tokens == w
+            assert g.stats.n_drafted > 0 and 0 < g.stats.n_accepted < g.stats.n_drafted
+            assert_consistent(g.session)
+        # the verifies of several sequences were one llama_decode each, and so were their draft positions
+        assert e.tgt_ctx.n_multi_decodes > 0 and e.tgt_ctx.max_seqs_per_decode == 4
+        assert e.dft_ctx.n_multi_decodes > 0
+        # a finished sequence takes a new prompt, keeping its cached prefix, while the others' memories stay
+        ses = gens[1].session
+        del ses.history[:]  # a new prompt replaces the history (as the server does)
+        g = ses.generate(e.tokenize(PROMPTS[3]), GenerationSettings(n_predict=25, draft_max=4))
+        batch = Batch()
+        batch.add(g)
+        batch.run()
+        assert g.tokens == want[3]
+        for other in gens:
+            assert_consistent(other.session)
+
+
+def test_a_draft_equal_to_the_target_accepts_everything_in_a_batch(tiny_target):
+    with Engine(tiny_target, tiny_target, ctx=256, threads=1, parallel=3) as e:
+        gens = together(e, PROMPTS[:3], [20, 20, 20], draft_max=5)
+    for g in gens:
+        assert g.stats.n_drafted > 0 and g.stats.n_accepted == g.stats.n_drafted
+
+
+def test_ngram_and_a_model_drafter_mix_in_one_batch(tiny_target, tiny_close):
+    base = "a b c d a b c d a b c"
+    with Engine(tiny_target, ctx=256, threads=1) as e:  # a prompt that holds its own answer: n-gram matches
+        said = e.session().generate(e.tokenize(base), GenerationSettings(n_predict=12), speculative=False).run()
+    prompts = [base + said.text + base, PROMPTS[0]]
+    want = alone(tiny_target, prompts, [30, 30])
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1, parallel=2) as e:
+        gens = together(e, prompts, [30, 30], draft_max=4, drafter="ngram,model", ngram_min=1, ngram_max=2)
+    assert [g.tokens for g in gens] == want
+    assert dict(gens[0].stats.n_drafted_by).get("ngram", 0) > 0
+    assert dict(gens[1].stats.n_drafted_by).get("model", 0) > 0
+
+
+def test_a_hybrid_target_with_four_sequences_is_exact(tiny_qwen35, tiny_qwen35_close):
+    lengths = [30, 18, 26, 22]
+    want = alone(tiny_qwen35, PROMPTS, lengths)
+    with Engine(tiny_qwen35, tiny_qwen35_close, ctx=256, threads=1, parallel=4) as e:
+        gens = together(e, PROMPTS, lengths, draft_max=4)
+        for g, w in zip(gens, want):
+            assert len(set(w)) > 5
+            assert g.tokens == w
+            assert g.stats.n_drafted > g.stats.n_accepted > 0
+            assert_consistent(g.session)
+        assert sum(g.stats.n_rollbacks + g.stats.n_restores for g in gens) > 0  # rejected tails rolled back
+        assert e.tgt_ctx.max_seqs_per_decode == 4
+
+
+def test_a_hybrid_sequence_rolls_back_only_within_its_own_last_decode(tiny_qwen35):
+    """Recurrent-state snapshots cover a sequence's own last decode: another sequence's (here one at earlier
+    positions) must not let a rollback reach further back."""
+    want = alone(tiny_qwen35, [PROMPTS[1]], [10])[0]
+    with Engine(tiny_qwen35, ctx=256, threads=1, parallel=2) as e:
+        short, long_ = e.session(0), e.session(1)
+        long_.generate(e.tokenize(PROMPTS[1]), GenerationSettings(n_predict=10), speculative=False).run()
+        short.generate(e.tokenize("a"), GenerationSettings(n_predict=1), speculative=False).run()
+        del long_.history[:]  # the same prompt again: back to its end, several decodes back
+        g = long_.generate(e.tokenize(PROMPTS[1]), GenerationSettings(n_predict=10), speculative=False).run()
+    assert g.tokens == want
+
+
+def law_at(path, tokens: list[int], depth: int, temp: float, top_k: int) -> dict:
+    """The target's law of its next `depth` tokens at a temperature, top-k, computed with numpy on its logits."""
+    law = {}
+    with _ffi.Model(path) as m, _ffi.Context(m, 128, 1) as c:
+        def walk(prefix, prob, left):
+            if left == 0:
+                law[tuple(prefix[len(tokens):])] = prob
+                return
+            c.clear()
+            c.decode(prefix, 0)
+            z = np.array(c.logits(1)[0], np.float64) / temp
+            z[np.argsort(z)[:-top_k]] = -np.inf
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            for t in np.flatnonzero(p > 0):
+                walk(prefix + [int(t)], prob * float(p[t]), left - 1)
+        walk(list(tokens), 1.0, depth)
+    return law
+
+
+def test_one_sequence_keeps_the_targets_law_while_others_decode_beside_it(tiny_target, tiny_close):
+    kw = dict(temp=0.8, top_k=3, top_p=1.0, min_p=0.0)
+    with Engine(tiny_target, tiny_close, ctx=128, threads=1, parallel=3) as e:
+        toks = e.tokenize(PROMPTS[0])
+        law = law_at(tiny_target, toks, 3, 0.8, 3)
+        sessions = [e.session(i) for i in range(3)]
+        counts: dict = {}
+        shared = drafted = 0
+        for seed in range(2500):
+            batch = Batch()
+            for i, ses in enumerate(sessions):
+                ses.reset()
+                prompt = toks if i == 0 else e.tokenize(PROMPTS[i])
+                batch.add(ses.generate(prompt, GenerationSettings(n_predict=4 + i, draft_max=2,
+                                                                  seed=seed + 7919 * i, **kw)))
+            g = batch.live[0]
+            n0 = e.tgt_ctx.n_multi_decodes
+            batch.run()
+            shared += e.tgt_ctx.n_multi_decodes - n0 > 0
+            drafted += g.stats.n_drafted
+            key = tuple(g.tokens[:3])
+            counts[key] = counts.get(key, 0) + 1
+    assert len(law) == 27
+    assert shared == 2500 and drafted > 2500
+    assert chi2_pvalue(counts, law) > 0.001
+
+
+def test_parallel_refuses_the_mtp_drafter_and_a_bad_count(tiny_target):
+    with pytest.raises(UsageError, match="MTP"):
+        Engine(tiny_target, ctx=128, threads=1, parallel=2, mtp=True)
+    with pytest.raises(UsageError, match="--parallel"):
+        Engine(tiny_target, ctx=128, threads=1, parallel=0)
+
+
+def test_each_sequence_has_its_own_context_of_ctx_tokens(tiny_target):
+    with Engine(tiny_target, ctx=256, threads=1, parallel=2) as e:
+        assert e.n_ctx == 256 and e.tgt_ctx.n_ctx == 256
+        a, b = e.session(0), e.session(1)
+        g = a.generate(e.tokenize(PROMPTS[0]), GenerationSettings(n_predict=300), speculative=False).run()
+        assert g.stats.stop_reason == "ctx" and len(a.history) == 256
+        g = b.generate(e.tokenize(PROMPTS[1]), GenerationSettings(n_predict=20), speculative=False).run()
+        assert len(g.tokens) == 20 and g.stats.stop_reason == "n_predict"
+
+
+def first_divergence_margin(target, prompt: list[int], got: list[int], want: list[int]) -> float | None:
+    """Where two greedy answers to a prompt first differ, the target's gap between its top two logits there (one
+    sequence, the shared prefix decoded in one batch); None where they agree."""
+    i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if i is None:
+        return None
+    with _ffi.Model(target) as m, _ffi.Context(m, 1024, 2) as c:
+        c.decode(prompt + want[:i], 0)
+        top2 = np.sort(np.array(c.logits(1)[0]))[-2:]
+    return float(top2[1] - top2[0])
+
+
+@pytest.mark.slow
+def test_demo_pair_four_sequences_each_as_alone():
+    from specq.native.commands.demo import demo_pair
+
+    target, draft = demo_pair()
+    prompts = ["<|im_start|>user\nWrite a Python function that sorts a list.<|im_end|>\n<|im_start|>assistant\n",
+               "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n",
+               "The history of the Roman Empire", "def fibonacci(n):"]
+    want = alone(target, prompts, [48] * 4, ctx=1024)
+    with Engine(target, draft, ctx=1024, threads=2, parallel=4) as e:
+        gens = together(e, prompts, [48] * 4, draft_max=8)
+        toks = [e.tokenize(p) for p in prompts]
+        assert e.tgt_ctx.max_seqs_per_decode == 4
+    for g, w, t in zip(gens, want, toks):
+        assert g.stats.n_drafted > 0 and g.stats.n_accepted > 0 and len(set(w)) > 5
+        margin = first_divergence_margin(target, t, g.tokens, w)
+        assert margin is None or margin < 0.5, (margin, g.text)  # INTERFACES.md: batched vs single kernels
