@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import sys
@@ -62,8 +63,11 @@ def main(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SPECQ_API_KEY", show_envvar=True,
                                                    help="Require 'Authorization: Bearer KEY' on everything but "
                                                         "/health.")] = None,
-    max_queue: Annotated[int, typer.Option(help="Requests that may wait behind the running one; beyond it 503 "
+    max_queue: Annotated[int, typer.Option(help="Requests that may wait for a free sequence; beyond it 503 "
                                                 "with Retry-After.")] = 16,
+    parallel: Annotated[int, typer.Option(min=1, help="Sequences decoded together (continuous batching: one "
+                                                      "target decode verifies them all); --ctx is each one's "
+                                                      "context.")] = 1,
     max_body: Annotated[str, typer.Option(help="Largest request body (bytes, or a size such as 4MiB).")] = "4MiB",
     max_tokens: Annotated[int, typer.Option(help="Most tokens one request may generate (also its default).")] = 4096,
     template: Annotated[Optional[str], typer.Option(help="Chat template (a Jinja file or text) when the model "
@@ -121,6 +125,7 @@ def main(
                                threads_draft=threads_draft, ngl=ngl, ngl_draft=ngl_draft, vram_budget=vram_budget,
                                main_gpu=main_gpu, tensor_split=tensor_split, device=device,
                                draft_device=draft_device, cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc)
+        engine = dataclasses.replace(engine, parallel=parallel)
         server = open_server(engine, template=template, defaults=defaults, cfg=cfg)
         try:
             _route_server_logs(verbose)

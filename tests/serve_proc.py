@@ -85,10 +85,11 @@ def http(url: str, body: bytes | dict | None = None, api_key: str | None = None,
         return e.code, e.read()
 
 
-def serve_in_process(engine, bodies: list[dict], defaults) -> list[tuple[int, bytes]]:
+def serve_in_process(engine, bodies: list[dict], defaults, concurrent: bool = False) -> list[tuple[int, bytes]]:
     """`specq serve`'s library in this process on a free loopback port: the models load and compute on this
     thread (as in the real server's main thread) while a client thread posts each body to /v1/completions, then
-    SIGTERM drains and stops it. `engine`: an EngineConfig. Returns each answer's (status, body)."""
+    SIGTERM drains and stops it. `engine`: an EngineConfig. Returns each answer's (status, body); `concurrent`:
+    all bodies posted at once, from a thread each."""
     import os
     import threading
 
@@ -101,7 +102,12 @@ def serve_in_process(engine, bodies: list[dict], defaults) -> list[tuple[int, by
     def client() -> None:
         try:
             assert ready.wait(120)
-            for body in bodies:
+            if concurrent:
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(len(bodies)) as pool:
+                    answers.extend(pool.map(lambda b: http(f"{url}/v1/completions", b, timeout=120), bodies))
+            for body in bodies if not concurrent else ():
                 answers.append(http(f"{url}/v1/completions", body, timeout=120))
         finally:
             os.kill(os.getpid(), signal.SIGTERM)  # drains and stops serve(), as a user's `kill` would

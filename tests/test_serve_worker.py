@@ -248,12 +248,14 @@ def test_listening_beyond_loopback_warns_loudest_without_a_key():
 # What computes on the models (load, warm-up, decode, logits, memory and state, sampling, free); tokenizing and
 # detokenizing only read the vocabulary and may run anywhere.
 COMPUTE = {"Model": ("__init__", "close"),
-           "Context": ("__init__", "warm_up", "decode", "logits", "seq_rm", "clear", "state_get", "state_set",
-                       "close"),
+           "Context": ("__init__", "warm_up", "decode", "decode_seqs", "logits", "seq_rm", "clear", "state_get",
+                       "state_set", "close"),
            "Sampler": ("__init__", "sample", "close"), "TransformChain": ("__init__", "apply", "close")}
 
 
-def test_a_served_request_computes_only_on_the_thread_that_loaded_the_models(tiny_target, tiny_close, monkeypatch):
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_a_served_request_computes_only_on_the_thread_that_loaded_the_models(tiny_target, tiny_close, monkeypatch,
+                                                                             parallel):
     """llama.cpp's CPU backend runs GNU OpenMP, whose thread team belongs to the calling thread: an engine driven
     from another thread than the one that loaded it decoded ~0.65x as fast. The real server, in-process, with
     every compute entry point of the FFI boundary recording its thread."""
@@ -275,12 +277,12 @@ def test_a_served_request_computes_only_on_the_thread_that_loaded_the_models(tin
         for name in names:
             monkeypatch.setattr(getattr(_ffi, cls), name, recorded(f"{cls}.{name}", getattr(getattr(_ffi, cls), name)))
 
-    answers = serve_in_process(EngineConfig(str(tiny_target), str(tiny_close), ctx=1024, threads=1),
+    answers = serve_in_process(EngineConfig(str(tiny_target), str(tiny_close), ctx=1024, threads=1, parallel=parallel),
                                [{"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0},
                                 {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0.8, "seed": 3,
                                  "stream": True},
                                 {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0.8, "seed": 3,
-                                 "accept": "match"}], SETTINGS)
+                                 "accept": "match"}], SETTINGS, concurrent=parallel > 1)
     assert [status for status, _ in answers] == [200, 200, 200], answers
     assert json.loads(answers[0][1])["usage"]["speculative"]["n_drafted"] > 0
     loader = {t for name, t in calls if name == "Model.__init__"}
@@ -288,3 +290,5 @@ def test_a_served_request_computes_only_on_the_thread_that_loaded_the_models(tin
     elsewhere = sorted({name for name, t in calls if t not in loader})
     assert not elsewhere, f"llama.cpp computed on another thread than the loader's: {elsewhere}"
     assert {"Context.decode", "Sampler.sample", "TransformChain.apply", "Context.close"} <= {n for n, _ in calls}
+    if parallel > 1:
+        assert "Context.decode_seqs" in {n for n, _ in calls}  # the requests ran together

@@ -293,6 +293,9 @@ class Outcome:
     n_reused: int  # prompt tokens whose cache entries were kept from the previous request
     n_completion: int
     stats: GenerationStats | None
+    # --parallel: how a step shared with other sequences was timed ("whole": each sequence's draft_ms and
+    # verify_ms count the batched decodes whole, not a share); None: the step was its own
+    shared_time: str | None = None
 
 
 def usage(o: Outcome) -> dict:
@@ -303,6 +306,8 @@ def usage(o: Outcome) -> dict:
                 "alpha": st.alpha,
                 "draft_ms": round(st.draft_ms, 3), "verify_ms": round(st.verify_ms, 3),
                 "tokens_per_s": round(st.tokens_per_s, 3)}
+        if o.shared_time is not None:
+            spec["shared_time"] = o.shared_time
     return {"prompt_tokens": o.n_prompt, "completion_tokens": o.n_completion,
             "total_tokens": o.n_prompt + o.n_completion, "prompt_tokens_details": {"cached_tokens": o.n_reused},
             "speculative": spec}

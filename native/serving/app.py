@@ -30,6 +30,7 @@ from ..core.settings import GenerationSettings
 from .api import (ApiError, ApiRequest, Limits, ResponseIds, chunk, full_response, parse_json, parse_request,
                   settings_for, sse, usage_chunk)
 from .template import TemplateFormatter, load_template
+from .scheduler import Scheduler
 from .worker import Job, Worker
 
 log = logging.getLogger("specq.serve")
@@ -109,7 +110,7 @@ class ServerState:
         from .metrics import ServerMetrics
 
         self.metrics = ServerMetrics()
-        self.worker = Worker(engine, self.metrics, cfg.max_queue)
+        self.worker = (Scheduler if engine.parallel > 1 else Worker)(engine, self.metrics, cfg.max_queue)
 
     def prompt_tokens(self, req: ApiRequest) -> list[int]:
         """The request as tokens: chat through the target's template (as `specq chat` and `bench --chat`),
@@ -269,7 +270,8 @@ class Handlers:
 
     async def health(self, request):
         w = self.state.worker
-        return _json({"status": "ok", "model": self.state.limits.model_id, "queue": w.waiting})
+        return _json({"status": "ok", "model": self.state.limits.model_id, "queue": w.waiting,
+                      "slots": {"total": w.n_slots, "busy": w.busy}})
 
     async def models(self, request):
         eng = self.state.engine
@@ -281,8 +283,9 @@ class Handlers:
     async def metrics(self, request):
         from starlette.responses import Response
 
-        m = self.state.metrics
-        m.deferred.set(self.state.worker.waiting)
+        m, w = self.state.metrics, self.state.worker
+        m.deferred.set(w.waiting)
+        m.slots(w.n_slots, w.busy, self.state.engine.tgt_ctx.n_multi_decodes)
         return Response(m.render(), media_type=m.content_type)
 
     async def chat(self, request):
@@ -303,8 +306,9 @@ class Handlers:
         except UsageError as e:  # a combination the per-field checks let through (draft_min > draft_max…)
             raise ApiError(400, str(e), "invalid_value")
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(tokens, settings, req.stops, _emitter(asyncio.get_running_loop(), events),
-                  cache_prompt=req.cache_prompt, speculative=req.speculative)
+        job = Job(tokens, settings, req.stops, lambda item: None, cache_prompt=req.cache_prompt,
+                  speculative=req.speculative)
+        job.emit = _emitter(asyncio.get_running_loop(), events, on_overflow=job.cancel)
         st.worker.submit(job)
         ids = ResponseIds(kind, st.limits.model_id)
         if req.stream:
@@ -340,12 +344,24 @@ class Handlers:
         return _json(full_response(ids, text, outcome))
 
 
-def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> Callable[[tuple], None]:
-    """The worker thread's way into the event loop."""
+MAX_BUFFERED = 4096  # text events a response may hold unsent; a client that far behind is cancelled
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue,
+             on_overflow: Callable[[], None] | None = None) -> Callable[[tuple], None]:
+    """The worker thread's way into the event loop. A reader that falls MAX_BUFFERED events behind loses its
+    generation (on_overflow) rather than holding memory or, with --parallel, anyone else's tokens."""
+
+    def put(item: tuple) -> None:
+        if item[0] == "text" and events.qsize() >= MAX_BUFFERED:
+            if on_overflow is not None:
+                on_overflow()
+            return
+        events.put_nowait(item)
 
     def emit(item: tuple) -> None:
         with contextlib.suppress(RuntimeError):  # the loop has closed (shutdown): nobody is listening
-            loop.call_soon_threadsafe(events.put_nowait, item)
+            loop.call_soon_threadsafe(put, item)
 
     return emit
 

@@ -45,11 +45,33 @@ class ServerMetrics:
         self.prefix_reused = Counter("specq:prompt_tokens_reused",
                                      "Prompt tokens whose cache entries were kept from the previous request.",
                                      registry=r)
+        # --parallel N: per sequence ("slot", llama-server's word)
+        self.slots_busy = Gauge("specq:slots_busy", "Sequences running a request.", registry=r)
+        self.slots_idle = Gauge("specq:slots_idle", "Sequences free for a request.", registry=r)
+        self.slot_requests = Counter("specq:slot_requests", "Requests a sequence answered.", ["slot"], registry=r)
+        self.slot_draft_tokens = Counter("specq:slot_spec_decode_num_draft_tokens",
+                                         "Draft tokens verified by the target, per sequence.", ["slot"], registry=r)
+        self.slot_accepted_tokens = Counter("specq:slot_spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted, per sequence.", ["slot"], registry=r)
+        self.prefill_chunks = Counter("specq:prefill_chunks", "Prompt chunks evaluated between two steps of the "
+                                      "running sequences (a long prompt joining).", registry=r)
+        self.multi_verifies = Gauge("specq:verify_decodes_multi",
+                                    "Target decodes that verified two or more sequences at once.", registry=r)
         self._gen_tokens = 0
         self._gen_seconds = 0.0
 
-    def observe(self, o: Outcome) -> None:
-        """Count one finished (or cancelled) generation."""
+    def slots(self, total: int, busy: int, multi_verifies: int = 0) -> None:
+        self.slots_busy.set(busy)
+        self.slots_idle.set(total - busy)
+        self.multi_verifies.set(multi_verifies)
+
+    def observe(self, o: Outcome, slot: int | None = None) -> None:
+        """Count one finished (or cancelled) generation (on sequence `slot` with --parallel)."""
+        if slot is not None:
+            self.slot_requests.labels(slot=str(slot)).inc()
+            if o.stats is not None and o.stats.speculative:
+                self.slot_draft_tokens.labels(slot=str(slot)).inc(o.stats.n_drafted)
+                self.slot_accepted_tokens.labels(slot=str(slot)).inc(o.stats.n_accepted)
         self.prompt_tokens.inc(o.n_prompt)
         self.prefix_reused.inc(o.n_reused)
         st = o.stats

@@ -105,6 +105,8 @@ class Worker:
     """Runs Jobs one at a time on one engine session; at most `max_queue` wait behind the running one.
     `run()` is the loop, on the thread that loaded the engine; `submit` and `stop` may come from any thread."""
 
+    n_slots = 1  # generations that run at once (Scheduler: --parallel)
+
     def __init__(self, engine: Engine, metrics: "ServerMetrics", max_queue: int):
         self.engine = engine
         self.session = engine.session()
@@ -117,19 +119,24 @@ class Worker:
         self._stopping = False
 
     @property
+    def busy(self) -> int:
+        """Slots running a job."""
+        return 1 if self._current is not None else 0
+
+    @property
     def waiting(self) -> int:
-        """Jobs queued behind the running one."""
+        """Jobs waiting for a free slot (behind the running one, with one slot)."""
         with self._lock:
-            return max(0, self._in_system - 1)
+            return max(0, self._in_system - self.n_slots)
 
     def submit(self, job: Job) -> None:
-        """Queue a job, or QueueFull when max_queue jobs already wait behind the running one."""
+        """Queue a job, or QueueFull when max_queue jobs already wait for a free slot."""
         with self._lock:
-            if self._in_system > self.max_queue:
+            if self._in_system >= self.max_queue + self.n_slots:
                 self.metrics.rejected.inc()
                 raise QueueFull(self.max_queue)
             self._in_system += 1
-            self.metrics.deferred.set(max(0, self._in_system - 1))
+            self.metrics.deferred.set(max(0, self._in_system - self.n_slots))
         self._jobs.put(job)
 
     def stop(self) -> None:
@@ -152,11 +159,16 @@ class Worker:
             try:
                 self._serve(job)
             finally:
+                self._left()
                 with self._lock:
                     self._current = None
-                    self._in_system -= 1
-                    self.metrics.deferred.set(max(0, self._in_system - 1))
                 self.metrics.processing.set(0)
+
+    def _left(self) -> None:
+        """A job has ended: one fewer in the system."""
+        with self._lock:
+            self._in_system -= 1
+            self.metrics.deferred.set(max(0, self._in_system - self.n_slots))
 
     def _next(self) -> Job | None:
         # A bounded wait: the main thread runs Python signal handlers (Ctrl-C, SIGTERM) between waits.
@@ -217,9 +229,14 @@ class Worker:
         if matcher.hit:
             ses.rollback(len(job.prompt) + n_kept)
             return Outcome("stop", len(job.prompt), n_reused, n_kept, gen.stats)
-        # A UTF-8 sequence cut by the end of the generation is completed in gen.text, not in an event.
-        out = matcher.feed(gen.text[sent_chars:]) + matcher.flush()
-        if out:
-            job.emit(("text", out))
-        finish = "stop" if matcher.hit else gen.stats.stop_reason
-        return Outcome(finish, len(job.prompt), n_reused, len(gen.tokens), gen.stats)
+        return final_outcome(job, gen, matcher, sent_chars, n_reused)
+
+
+def final_outcome(job: Job, gen, matcher: StopMatcher, sent_chars: int, n_reused: int) -> Outcome:
+    """The text still held back, sent, and the Outcome of a generation that ended by itself."""
+    # A UTF-8 sequence cut by the end of the generation is completed in gen.text, not in an event.
+    out = matcher.feed(gen.text[sent_chars:]) + matcher.flush()
+    if out:
+        job.emit(("text", out))
+    finish = "stop" if matcher.hit else gen.stats.stop_reason
+    return Outcome(finish, len(job.prompt), n_reused, len(gen.tokens), gen.stats)

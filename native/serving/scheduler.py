@@ -1,0 +1,203 @@
+"""`specq serve --parallel N`: continuous batching over N sequences of one engine (a Session each), stepped
+together (core/batch.py: one target decode verifies every running sequence's drafts).
+
+It runs on the thread that loaded the models, as Worker does. Between two steps the loop ends the generations whose
+clients left, gives waiting requests the idle sequences (each the one whose cached tokens share the longest prefix
+with its prompt, as llama-server's slot-prompt similarity), evaluates one chunk of one joining prompt, then steps
+every running generation once and sends each its text. A request that ends (end of generation, its token limit, a
+stop string, a full context, a client gone) leaves at once; a stop string rolls back its own sequence only.
+
+PREFILL_CHUNK: a joining prompt is evaluated PREFILL_CHUNK tokens between two steps, so a long prompt delays the
+running sequences' next token by one chunk's prefill (256 tokens: ~0.1-0.3 s for the demo pair on 2 CPU cores),
+not by the whole prompt; a prompt up to one chunk beyond its cached prefix joins in one go.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ...errors import SpecqError
+from ..core.batch import Batch
+from ..core.memory import common_prefix
+from ..drafters.registry import drafts_without_model
+from .api import ApiError, Outcome
+from .worker import Job, StopMatcher, Worker, final_outcome, reused_prefix
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+    from ..core.generation import Generation
+    from ..core.session import Session
+    from .metrics import ServerMetrics
+
+log = logging.getLogger("specq.serve")
+
+PREFILL_CHUNK = 256
+
+
+@dataclass
+class Running:
+    """A request on its sequence: its prompt still to evaluate, then its generation and what it sent."""
+
+    job: Job
+    session: Session
+    n_reused: int
+    todo: list[int]  # prompt tokens not handed to the session yet (a chunked prefill)
+    matcher: StopMatcher
+    gen: Generation | None = None
+    n_kept: int = 0
+    sent_chars: int = 0
+
+
+class Scheduler(Worker):
+    """Runs up to engine.parallel Jobs at once, one sequence each; at most `max_queue` wait for a free one."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int):
+        super().__init__(engine, metrics, max_queue)
+        self.n_slots = engine.parallel
+        self.sessions = [self.session] + [engine.session(i) for i in range(1, self.n_slots)]
+        self.idle: list[Session] = list(self.sessions)
+        self.running: list[Running] = []
+        self.batch = Batch()
+        self._stop_seen = False
+
+    @property
+    def busy(self) -> int:
+        return self.n_slots - len(self.idle)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            for run in list(self.running):
+                run.job.cancel()
+        self._jobs.put(None)
+
+    def run(self) -> None:
+        """Serve jobs until stop(), on the calling thread (the one that loaded the engine)."""
+        while not (self._stop_seen and not self.running):
+            self._admit(block=not self.running)
+            self._drop_cancelled()
+            self._prefill_one()
+            if self.batch.live:
+                self._step()
+
+    # ---- joining -------------------------------------------------------------------------------------------
+    def _admit(self, block: bool) -> None:
+        """Give waiting jobs the idle sequences; wait (bounded: signals run between waits) only when idle."""
+        while self.idle and not self._stop_seen:
+            try:
+                job = self._jobs.get(timeout=0.5) if block else self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if job is None:
+                self._stop_seen = True
+                return
+            if job.cancelled.is_set() or self._stopping:
+                self.metrics.cancelled.inc()
+                job.emit(("error", ApiError(499, "the request was cancelled", "cancelled")))
+                self._left()
+                continue
+            ses = max(self.idle, key=lambda s: common_prefix(s.tgt.tokens, job.prompt))
+            self.idle.remove(ses)
+            if not job.cache_prompt:
+                ses.reset()
+            n_reused = reused_prefix(ses.tgt.tokens, job.prompt)
+            del ses.history[:]  # the prompt replaces the history; prefill keeps the shared cached prefix
+            self.running.append(Running(job, ses, n_reused, list(job.prompt), StopMatcher(job.stops)))
+            self.metrics.processing.set(len(self.running))
+
+    def _prefill_one(self) -> None:
+        """One chunk of the first joining prompt; its last part starts the generation in the batch."""
+        run = next((r for r in self.running if r.gen is None), None)
+        if run is None:
+            return
+        ses, job = run.session, run.job
+        try:
+            cut = PREFILL_CHUNK + (0 if ses.history else run.n_reused)
+            if len(run.todo) > cut:
+                ses.prefill(run.todo[:cut])
+                del run.todo[:cut]
+                self.metrics.prefill_chunks.inc()
+                return
+            speculative = job.speculative and (self.engine.draft is not None
+                                               or drafts_without_model(job.settings.drafters))
+            gen = ses.generate(run.todo, job.settings, speculative=speculative)
+            self.batch.add(gen)
+            run.gen = gen
+        except Exception as e:  # noqa: BLE001 - the request fails, the server goes on
+            self._fail([run], e)
+
+    # ---- stepping ------------------------------------------------------------------------------------------
+    def _step(self) -> None:
+        try:
+            results = self.batch.step()
+        except Exception as e:  # noqa: BLE001 - every generation of the batch shares the failed decode
+            self._fail([r for r in self.running if r.gen is not None], e)
+            self.batch = Batch()
+            return
+        by_gen = {id(r.gen): r for r in self.running if r.gen is not None}
+        for gen, events in results:
+            run = by_gen[id(gen)]
+            for j, ev in enumerate(events):
+                run.n_kept += 1
+                run.sent_chars += len(ev.text)
+                out = run.matcher.feed(ev.text)
+                if out:
+                    run.job.emit(("text", out))
+                if run.matcher.hit:
+                    gen.keep(j + 1)
+                    break
+            if run.matcher.hit:
+                if gen in self.batch.live:
+                    self.batch.cancel(gen)
+                run.session.rollback(len(run.job.prompt) + run.n_kept)
+                self._done(run, Outcome("stop", len(run.job.prompt), run.n_reused, run.n_kept, gen.stats))
+            elif gen.stats is not None:
+                self._done(run, final_outcome(run.job, gen, run.matcher, run.sent_chars, run.n_reused))
+
+    def _drop_cancelled(self) -> None:
+        """End the generations whose clients left (between steps: the others' memories are untouched)."""
+        for run in [r for r in self.running if r.job.cancelled.is_set()]:
+            if run.gen is None:
+                self.metrics.cancelled.inc()
+                run.job.emit(("error", ApiError(499, "the request was cancelled", "cancelled")))
+                self._release(run)
+                continue
+            if run.gen in self.batch.live:
+                self.batch.cancel(run.gen)
+            self._done(run, Outcome("interrupted", len(run.job.prompt), run.n_reused, len(run.gen.tokens),
+                                    run.gen.stats))
+
+    # ---- leaving -------------------------------------------------------------------------------------------
+    def _done(self, run: Running, outcome: Outcome) -> None:
+        outcome = replace(outcome, shared_time="whole")
+        if outcome.finish == "interrupted":
+            self.metrics.cancelled.inc()
+        self.metrics.observe(outcome, slot=run.session.seq)
+        run.job.emit(("done", outcome))
+        self._release(run)
+
+    def _fail(self, runs: list[Running], e: Exception) -> None:
+        if isinstance(e, SpecqError):
+            log.warning("generation failed: %s", e)
+            err = ApiError(500, f"generation failed: {e}", "generation_failed", "server_error")
+        else:
+            log.warning("generation failed (%s: %s); -v shows where", type(e).__name__, e)
+            log.debug("the traceback", exc_info=True)
+            err = ApiError(500, "internal error during generation; run the server with -v for details",
+                           "internal_error", "server_error")
+        for run in runs:
+            if run.gen is not None and run.gen in self.batch.live:
+                self.batch.live.remove(run.gen)
+            run.session.reset()  # the memory's state after a failed decode is unknown: start clean
+            run.job.emit(("error", err))
+            self._release(run)
+
+    def _release(self, run: Running) -> None:
+        self.running.remove(run)
+        self.idle.append(run.session)
+        self.metrics.processing.set(len(self.running))
+        self._left()
