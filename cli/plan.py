@@ -45,6 +45,8 @@ def main(
     cache_type: Annotated[str, typer.Option(help=f"KV cache type: {', '.join(CACHE_TYPES)}.")] = "f16",
     flash_attn: Annotated[bool, typer.Option("--flash-attn/--no-flash-attn",
                                              help="Plan for flash attention (llama.cpp's default on GPUs).")] = True,
+    parallel: Annotated[int, typer.Option(min=1, help="Sequences served at once (serve --parallel): the KV "
+                                                      "cache of each, --ctx tokens.")] = 1,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON on stdout.")] = False,
     rpc: Annotated[Optional[str], typer.Option("--rpc", help="RPC servers HOST:PORT[,...]: their devices come first "
                                                             "with the memory they report; the draft stays local.")] = None,
@@ -58,7 +60,7 @@ def main(
 
         rpc_backend.connect(rpc)
     p = plan(str(target), str(draft) if draft else None, budget_devices(budget), ctx=ctx, cache_type=cache_type,
-             flash_attn=flash_attn)
+             flash_attn=flash_attn, parallel=parallel)
     doc = p.to_dict()
     if json_out:
         print(json.dumps(doc, indent=2), flush=True)
@@ -71,4 +73,4 @@ def main(
         for line in device_lines(doc):
             out.print(line)
     out.print(f"{'fits' if p.full_offload else 'partial offload'}: {p.reason}; "
-              f"--ngl {p.ngl} --ngl-draft {p.ngl_draft} --ctx {p.ctx}")
+              f"--ngl {p.ngl} --ngl-draft {p.ngl_draft} --ctx {p.ctx}" + (f" --parallel {p.parallel}" if p.parallel > 1 else ""))

@@ -6,6 +6,7 @@ The files hold a real header and tensor infos; the data section is a sparse hole
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -273,3 +274,16 @@ def test_the_draft_is_never_planned_onto_a_remote_device(tiny_target, tiny_close
     alone = plan(str(tiny_target), str(tiny_close), [remote], ctx=512)
     assert alone.fits and alone.ngl_draft == 0 and alone.fill.layers.get("draft") is None
     assert alone.fill.layers["target"] == [alone.ngl] and "draft on this machine's CPU" in alone.reason
+
+
+def test_parallel_sequences_each_get_their_own_kv_cache(pair):
+    one, four = _plan(pair, [48 * GiB], ctx=8192), _plan(pair, [48 * GiB], ctx=8192, parallel=4)
+    for which in ("target", "draft"):
+        kv1, kv4 = one.to_dict()[which]["kv_bytes"], four.to_dict()[which]["kv_bytes"]
+        assert kv1 > 0 and kv4 == 4 * kv1
+    assert four.to_dict()["parallel"] == 4 and "each of 4 sequences" in four.reason
+    # with the context left to the planner, four sequences get about a quarter of one's
+    auto1, auto4 = _plan(pair, [32 * GiB]), _plan(pair, [32 * GiB], parallel=4)
+    assert auto1.full_offload and auto4.full_offload and auto4.ctx < auto1.ctx
+    r = _cli("--target", pair[0], "--draft", pair[1], "--vram", "48GiB", "--ctx", "8192", "--parallel", "4", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["target"]["kv_bytes"] == four.to_dict()["target"]["kv_bytes"]

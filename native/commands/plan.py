@@ -114,15 +114,16 @@ class ModelShape:
         """Copies of the recurrent state a context holds: the target's keeps the rollback snapshots."""
         return 1 + (ROLLBACK_SNAPSHOTS if which == "target" and self.rs_rollback else 0)
 
-    def layer_memory(self, layer: int, ctx_pad: int, cache_type: str, which: str) -> int:
-        """The layer's KV cache and recurrent state, in bytes."""
-        state = self.state_bytes[layer] * self.state_copies(which) if self.state_bytes else 0
-        return self.kv_per_token(layer, cache_type) * self.kv_cells(layer, ctx_pad) + state
+    def layer_memory(self, layer: int, ctx_pad: int, cache_type: str, which: str, n_seq: int = 1) -> int:
+        """The layer's KV cache and recurrent state, in bytes, for n_seq sequences (ctx_pad: all of theirs)."""
+        state = self.state_bytes[layer] * self.state_copies(which) * n_seq if self.state_bytes else 0
+        return self.kv_per_token(layer, cache_type) * self.kv_cells(layer, ctx_pad, n_seq=n_seq) + state
 
-    def kv_cells(self, layer: int, ctx_pad: int, n_ubatch: int = N_UBATCH) -> int:
-        """Positions the layer's KV cache holds: n_ctx, or about window + n_ubatch for a local layer."""
+    def kv_cells(self, layer: int, ctx_pad: int, n_ubatch: int = N_UBATCH, n_seq: int = 1) -> int:
+        """Positions the layer's KV cache holds: n_ctx, or about window + n_ubatch for a local layer (a window
+        per sequence in llama.cpp's unified cache)."""
         if self.swa_window and self.swa_layers[layer]:
-            return min(ctx_pad, -(-(self.swa_window + n_ubatch) // CTX_PAD) * CTX_PAD)
+            return min(ctx_pad, -(-(self.swa_window * n_seq + n_ubatch) // CTX_PAD) * CTX_PAD)
         return ctx_pad
 
     @property
@@ -262,11 +263,11 @@ class _Fill:
 
 
 def _items(shape: ModelShape, ngl: int, ctx_pad: int, cache_type: str,
-           which: str) -> list[tuple[int, int, bool]]:
+           which: str, n_seq: int = 1) -> list[tuple[int, int, bool]]:
     """(weights, kv) of each offloaded layer in llama.cpp's device order; the bool marks the output layer."""
     ngl = max(0, min(ngl, shape.n_layer + 1))
     start = shape.n_layer + 1 - ngl
-    items = [(shape.layer_bytes[il], shape.layer_memory(il, ctx_pad, cache_type, which), False)
+    items = [(shape.layer_bytes[il], shape.layer_memory(il, ctx_pad, cache_type, which, n_seq), False)
              for il in range(start, shape.n_layer)]
     if ngl >= 1:
         items.append((shape.output_bytes, 0, True))
@@ -274,16 +275,17 @@ def _items(shape: ModelShape, ngl: int, ctx_pad: int, cache_type: str,
 
 
 def _place(fill: _Fill, devices: Sequence[Device], which: str, shape: ModelShape, ngl: int, ctx: int,
-           cache_type: str, flash_attn: bool) -> _Fill | None:
-    """Place `ngl` layers of a model after what `fill` holds; None when they do not fit."""
+           cache_type: str, flash_attn: bool, n_seq: int = 1) -> _Fill | None:
+    """Place `ngl` layers of a model after what `fill` holds; None when they do not fit. `ctx` is one sequence's
+    context; n_seq sequences share one cache of n_seq·ctx cells (--parallel)."""
     f = fill.copy()
-    ctx_pad = -(-ctx // CTX_PAD) * CTX_PAD
+    ctx_pad = -(-ctx * n_seq // CTX_PAD) * CTX_PAD
     per_dev = [0] * len(devices)
     parts = {"weights_bytes": 0, "kv_bytes": 0, "compute_bytes": 0}
     charged: set[int] = set()
     d = 0
     local_only = which == "draft"
-    for weights, kv, is_output in _items(shape, ngl, ctx_pad, cache_type, which):
+    for weights, kv, is_output in _items(shape, ngl, ctx_pad, cache_type, which, n_seq):
         while True:
             while local_only and d < len(devices) and devices[d].endpoint:
                 d += 1
@@ -309,15 +311,15 @@ def _place(fill: _Fill, devices: Sequence[Device], which: str, shape: ModelShape
     return f
 
 
-def _place_pair(devices, target, draft, ctx, cache_type, flash_attn, ngl_target):
+def _place_pair(devices, target, draft, ctx, cache_type, flash_attn, ngl_target, n_seq=1):
     base = _Fill([dv.reserve_bytes for dv in devices])
     if any(u > dv.budget_bytes for u, dv in zip(base.used, devices)):
         return None
     if draft is not None and any(not dv.endpoint for dv in devices):  # no local GPU: the draft runs on the CPU
-        base = _place(base, devices, "draft", draft, draft.n_layer + 1, ctx, cache_type, flash_attn)
+        base = _place(base, devices, "draft", draft, draft.n_layer + 1, ctx, cache_type, flash_attn, n_seq)
         if base is None:
             return None
-    return _place(base, devices, "target", target, ngl_target, ctx, cache_type, flash_attn)
+    return _place(base, devices, "target", target, ngl_target, ctx, cache_type, flash_attn, n_seq)
 
 
 @dataclass(frozen=True)
@@ -334,6 +336,7 @@ class Plan:
     ngl_draft: int
     fill: _Fill | None = field(repr=False, default=None)
     reason: str = ""
+    parallel: int = 1  # sequences whose KV caches the plan holds (ctx tokens each)
 
     @property
     def budget_bytes(self) -> int:
@@ -372,7 +375,8 @@ class Plan:
                 "draft_layers": self.fill.layers.get("draft", [0] * len(self.devices))[i] if self.fill else 0,
             })
         return {
-            "fits": self.fits, "full_offload": self.full_offload, "ctx": self.ctx, "cache_type": self.cache_type,
+            "fits": self.fits, "full_offload": self.full_offload, "ctx": self.ctx, "parallel": self.parallel,
+            "cache_type": self.cache_type,
             "flash_attn": self.flash_attn, "budget_bytes": self.budget_bytes, "total_bytes": self.total_bytes,
             "target": self._model("target", self.target, self.ngl),
             "draft": self._model("draft", self.draft, self.ngl_draft) if self.draft else None,
@@ -396,10 +400,13 @@ def _draft_refusal(devices, draft: ModelShape, ctx: int, cache_type: str, flash_
 
 
 def plan(target: str | ModelShape, draft: str | ModelShape | None, devices: Sequence[Device],
-         ctx: int | None = None, cache_type: str = "f16", flash_attn: bool = True) -> Plan:
+         ctx: int | None = None, cache_type: str = "f16", flash_attn: bool = True, parallel: int = 1) -> Plan:
     """Place the draft fully, then as many target layers as fit; with ctx=None, the largest context
     (a multiple of 256, up to both models' context_length) at which both fit fully, else DEFAULT_CTX.
+    `parallel`: sequences held at once, ctx tokens each (`serve --parallel`): their KV caches and states.
     Never raises for a budget that is too small: the Plan says fits=False with the reason."""
+    if parallel < 1:
+        raise UsageError(f"--parallel must be at least 1 ({parallel})")
     if cache_type not in CACHE_TYPES:
         raise UsageError(f"unknown KV cache type ({cache_type}); use one of {', '.join(CACHE_TYPES)}")
     if not devices:
@@ -413,7 +420,7 @@ def plan(target: str | ModelShape, draft: str | ModelShape | None, devices: Sequ
     cap = min(t.n_ctx_train, d.n_ctx_train) if d else t.n_ctx_train
 
     def fill_at(c: int, ngl: int):
-        return _place_pair(devices, t, d, c, cache_type, flash_attn, ngl)
+        return _place_pair(devices, t, d, c, cache_type, flash_attn, ngl, parallel)
 
     if ctx is None:
         c0 = min(DEFAULT_CTX, cap)
@@ -436,7 +443,7 @@ def plan(target: str | ModelShape, draft: str | ModelShape | None, devices: Sequ
 
     if d is not None and fill_at(ctx, 0) is None:
         return Plan(False, False, ctx, cache_type, flash_attn, devices, t, d, 0, 0, None,
-                    _draft_refusal(devices, d, ctx, cache_type, flash_attn))
+                    _draft_refusal(devices, d, ctx, cache_type, flash_attn), parallel)
     best = None
     for ngl in range(full, -1, -1):
         best = fill_at(ctx, ngl)
@@ -445,7 +452,7 @@ def plan(target: str | ModelShape, draft: str | ModelShape | None, devices: Sequ
     if best is None:  # no draft and not even zero layers: the reserve alone exceeds the budget
         return Plan(False, False, ctx, cache_type, flash_attn, devices, t, d, 0, 0, None,
                     f"the VRAM budget ({fmt_bytes(sum(x.budget_bytes for x in devices))}) is smaller than the "
-                    f"per-device reserve; give more VRAM")
+                    f"per-device reserve; give more VRAM", parallel)
     draft_local = d is not None and any(not dv.endpoint for dv in devices)
     ngl_draft = d.n_layer + 1 if draft_local else 0
     full_off = ngl == full
@@ -458,9 +465,9 @@ def plan(target: str | ModelShape, draft: str | ModelShape | None, devices: Sequ
         parts.append(f"target entirely on the CPU (0/{full} layers fit; it will be slow)")
     else:
         parts.append(f"target partly offloaded ({ngl}/{full} layers on the GPU, the rest run on the CPU)")
-    parts.append(f"ctx {ctx}")
+    parts.append(f"ctx {ctx}" + (f" for each of {parallel} sequences" if parallel > 1 else ""))
     reason = "; ".join(parts)
-    return Plan(True, full_off, ctx, cache_type, flash_attn, devices, t, d, ngl, ngl_draft, best, reason)
+    return Plan(True, full_off, ctx, cache_type, flash_attn, devices, t, d, ngl, ngl_draft, best, reason, parallel)
 
 
 # ---- the entry point bench/chat use for --vram-budget ----------------------------------------
