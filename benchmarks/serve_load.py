@@ -159,7 +159,7 @@ def run_load(url: str, model: str, prompts: list[str], n_clients: int, n_request
         "requests_per_s": len(rows) / wall, "tokens": sum(r["tokens"] for r in rows),
         "total_tokens_per_s": sum(r["tokens"] for r in rows) / wall,
         "tokens_per_s_per_client": statistics.mean(per_client) if per_client else None,
-        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+        "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95), "ttft_p99_s": pct(ttft, 99),
         "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
         "usage_reported": all(r["usage_reported"] for r in rows),
         "finish_reasons": {f: sum(r["finish_reason"] == f for r in rows) for f in {r["finish_reason"] for r in rows}},

@@ -1,0 +1,116 @@
+"""`specq serve --parallel N` against llama.cpp's own `llama-server` built from the same vendored tree.
+
+Three servers on one pair, all up at once, taking turns for each N so that a shared machine's load hits them
+alike: specq serve (`--parallel N`, `--ctx C`), llama-server plain (`-np N -c N·C`) and llama-server with the same
+draft (`--spec-type draft-simple --spec-draft-model D --spec-draft-n-max 8`). N concurrent streaming clients send
+R greedy chat requests each (serve_load.run_load); reported per server and N: aggregate tokens/s (every client's
+tokens over the wall time), median and p95 time to first token. Each server is restarted for each N (its -np,
+specq's --parallel). Also: how many prompts got the same answer from every server at every N.
+
+    python benchmarks/serve_vs_llamaserver.py --llama-server PATH/llama-server [--pair demo|deep] \
+        [--clients 1,4,8] [--requests 2] [--max-tokens 96] [--json benchmarks/results/serve_vs_llamaserver-X.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from serve_load import PROMPTS, Server, free_port, model_of, run_load  # noqa: E402
+
+CTX = 2048  # one sequence's context (specq --ctx; llama-server -c N·CTX)
+
+
+def pair(name: str) -> tuple[Path, Path]:
+    if name == "deep":
+        from deep_pair import deep_pair
+
+        return tuple(map(Path, deep_pair()))
+    from specq.native.commands.demo import demo_pair
+
+    return demo_pair()
+
+
+def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str]:
+    if kind == "specq":
+        return [str(Path(sys.executable).parent / "specq"), "serve", "--target", str(target), "--draft", str(draft),
+                "--host", "127.0.0.1", "--port", "0", "--threads", str(a.threads), "--ctx", str(CTX),
+                "--parallel", str(n), "--draft-max", a.draft_max, "--max-queue", "64",
+                "--max-tokens", str(a.max_tokens)]
+    cmd = [a.llama_server, "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "-np", str(n),
+           "-c", str(n * CTX), "-t", str(a.threads), "-tb", str(a.threads), "--no-webui", "-ngl", "0"]
+    if kind == "llama-server spec":
+        cmd += ["--spec-type", "draft-simple", "--spec-draft-model", str(draft), "--spec-draft-n-max", "8",
+                "-ngld", "0"]
+    return cmd
+
+
+def run_n(n: int, kinds: list[str], target: Path, draft: Path, prompts: list[str], a, texts: dict,
+          tmp: str) -> list[dict]:
+    servers = {}
+    try:
+        for kind in kinds:
+            port = None if kind == "specq" else free_port()
+            servers[kind] = Server(argv(kind, n, target, draft, a, port), Path(tmp) / f"{kind}-{n}.log", port)
+        out = []
+        models = {kind: model_of(srv) for kind, srv in servers.items()}
+        for kind, srv in servers.items():  # warm-up: the weights touched, the threads started
+            run_load(srv.url, models[kind], prompts, 1, 1, 16)
+        for kind, srv in servers.items():
+            row = run_load(srv.url, models[kind], prompts, n, a.requests, a.max_tokens, {}, texts, kind)
+            out.append({"server": kind, "parallel": n, **row})
+            print(f"{kind:>18} N={n}: {row['total_tokens_per_s']:.1f} tok/s aggregate, TTFT p50 "
+                  f"{row['ttft_p50_s']:.2f}s p95 {row['ttft_p95_s']:.2f}s, errors {len(row['errors'])}",
+                  file=sys.stderr, flush=True)
+        return out
+    finally:
+        for srv in servers.values():
+            srv.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", required=True)
+    ap.add_argument("--pair", choices=("demo", "deep"), default="demo")
+    ap.add_argument("--clients", default="1,4,8")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client, one after the other")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft-max", default="auto")
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args()
+    target, draft = pair(a.pair)
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    kinds = ["specq", "llama-server plain", "llama-server spec"]
+    load0 = os.getloadavg()
+    rows, texts = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in [int(x) for x in a.clients.split(",")]:
+            rows += run_n(n, kinds, target, draft, prompts, a, texts, tmp)
+    ratios = {}
+    for n in sorted({r["parallel"] for r in rows}):
+        by = {r["server"]: r for r in rows if r["parallel"] == n}
+        s = by["specq"]
+        ratios[n] = {"vs_plain": s["total_tokens_per_s"] / by["llama-server plain"]["total_tokens_per_s"],
+                     "vs_spec": s["total_tokens_per_s"] / by["llama-server spec"]["total_tokens_per_s"],
+                     "ttft_p50_vs_plain": s["ttft_p50_s"] / by["llama-server plain"]["ttft_p50_s"]}
+        print(f"N={n}: specq/plain {ratios[n]['vs_plain']:.2f}x, specq/spec {ratios[n]['vs_spec']:.2f}x, "
+              f"TTFT p50 specq/plain {ratios[n]['ttft_p50_vs_plain']:.2f}x", file=sys.stderr, flush=True)
+    same = {"prompts": len(texts), "identical": sum(len(v) == 1 for v in texts.values())}
+    doc = {"pair": a.pair, "target": target.name, "draft": draft.name, "ctx_per_sequence": CTX,
+           "settings": {k: v for k, v in vars(a).items() if k != "json"}, "machine": platform.machine(),
+           "cpus": os.cpu_count(), "load_before": load0, "load_after": os.getloadavg(), "rows": rows,
+           "ratios": ratios, "answers": same}
+    if a.json:
+        Path(a.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
