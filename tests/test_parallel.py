@@ -216,3 +216,23 @@ def test_demo_pair_four_sequences_each_as_alone():
         assert g.stats.n_drafted > 0 and g.stats.n_accepted > 0 and len(set(w)) > 5
         margin = first_divergence_margin(target, t, g.tokens, w)
         assert margin is None or margin < 0.5, (margin, g.text)  # INTERFACES.md: batched vs single kernels
+
+
+def test_a_shared_prompt_start_is_copied_from_another_sequence_not_evaluated(tiny_target, tiny_close):
+    system = "You are a careful assistant who answers in short sentences. " * 2
+    want = alone(tiny_target, [system + PROMPTS[1]], [20])[0]
+    with Engine(tiny_target, tiny_close, ctx=512, threads=1, parallel=2) as e:
+        a, b = e.session(0), e.session(1)
+        a.generate(e.tokenize(system + PROMPTS[0]), GenerationSettings(n_predict=8, draft_max=4)).run()
+        prompt = e.tokenize(system + PROMPTS[1])
+        n = b.share_prefix(a, prompt, least=32)
+        shared = len(e.tokenize(system)) - 1
+        assert n >= shared and b.tgt.tokens == prompt[:n] and b.dft.tokens == prompt[:len(b.dft.tokens)]
+        assert len(b.dft.tokens) >= shared
+        # the memories hold the copied cells (nothing was decoded on sequence 1)
+        assert b.tgt.ctx.pos_max() == n - 1 and b.dft.ctx.pos_max() == len(b.dft.tokens) - 1
+        g = b.generate(prompt, GenerationSettings(n_predict=20, draft_max=4)).run()
+        assert g.tokens == want and g.stats.n_drafted > 0
+        assert_consistent(a)
+        assert_consistent(b)
+        assert b.share_prefix(a, prompt, least=32) == 0  # nothing more to gain

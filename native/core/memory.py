@@ -88,6 +88,19 @@ class Memory:
         self.tokens[:] = tokens
         self.offset, self.sink = offset, sink
 
+    def copy_prefix(self, src: Memory, n: int) -> int:
+        """Hold the first n tokens that `src` (another sequence of the same context) holds, copied in the memory
+        (llama_memory_seq_cp: in llama.cpp's unified cache the cells are shared, nothing is computed or copied).
+        Only for memories that drop positions freely and hold the history from its start (no draft window, no
+        sliding window); returns the tokens now held (0: nothing copied)."""
+        n = min(n, len(src.tokens), src.ctx.pos_max() + 1)
+        if n <= 0 or not (self.partial_rm and src.partial_rm) or self.ctx.n_swa or self.offset or src.offset:
+            return 0
+        self.clear()
+        self.tokens.extend(src.tokens[:n])  # recorded first, as extend does
+        self.ctx.parent.seq_cp(src.ctx.seq, self.ctx.seq, 0, n)
+        return n
+
     def view(self, history: list[int]) -> list[int]:
         """The tokens of `history` this memory is meant to hold (a window: the sinks, then the recent ones)."""
         return history[:self.sink] + history[self.offset:] if self.offset else history

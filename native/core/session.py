@@ -181,6 +181,19 @@ class Session:
         for d in self.drafters.values():
             d.rewind()
 
+    def share_prefix(self, other: Session, prompt: list[int], least: int = 1) -> int:
+        """Take over, from another sequence's memories, the start of `prompt` they hold and this one does not (a
+        shared system prompt): copied, not evaluated again (Memory.copy_prefix). Returns the target tokens
+        taken over (0: none; also where it would gain fewer than `least` tokens). Before a prefill of `prompt`, on
+        an empty history."""
+        n = common_prefix(other.tgt.tokens, prompt[:-1])
+        if self.engine.parallel == 1 or self.history or n < common_prefix(self.tgt.tokens, prompt[:-1]) + least:
+            return 0
+        got = self.tgt.copy_prefix(other.tgt, n)
+        if got and self.dft is not None and other.dft is not None:
+            self.dft.copy_prefix(other.dft, min(got, common_prefix(other.dft.tokens, prompt)))
+        return got
+
     def rollback(self, n: int) -> None:
         """Keep the first n tokens of the history and roll every memory back to them (a server's stop string
         that ends inside a multi-token step)."""

@@ -53,6 +53,8 @@ class ServerMetrics:
                                          "Draft tokens verified by the target, per sequence.", ["slot"], registry=r)
         self.slot_accepted_tokens = Counter("specq:slot_spec_decode_num_accepted_tokens",
                                             "Draft tokens accepted, per sequence.", ["slot"], registry=r)
+        self.prefix_copied = Counter("specq:prompt_tokens_copied", "Prompt tokens copied from another sequence's "
+                                     "cache (a shared prefix, llama_memory_seq_cp) instead of evaluated.", registry=r)
         self.prefill_chunks = Counter("specq:prefill_chunks", "Prompt chunks evaluated between two steps of the "
                                       "running sequences (a long prompt joining).", registry=r)
         self.multi_verifies = Gauge("specq:verify_decodes_multi",

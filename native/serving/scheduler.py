@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("specq.serve")
 
 PREFILL_CHUNK = 256
+SHARE_MIN = 32  # prompt tokens another sequence must hold beyond this one's cached prefix to be copied
 
 
 @dataclass
@@ -102,12 +103,22 @@ class Scheduler(Worker):
                 continue
             ses = max(self.idle, key=lambda s: common_prefix(s.tgt.tokens, job.prompt))
             self.idle.remove(ses)
+            del ses.history[:]  # the prompt replaces the history; prefill keeps the shared cached prefix
             if not job.cache_prompt:
                 ses.reset()
+            else:
+                self._share(ses, job.prompt)
             n_reused = reused_prefix(ses.tgt.tokens, job.prompt)
-            del ses.history[:]  # the prompt replaces the history; prefill keeps the shared cached prefix
             self.running.append(Running(job, ses, n_reused, list(job.prompt), StopMatcher(job.stops)))
             self.metrics.processing.set(len(self.running))
+
+    def _share(self, ses: Session, prompt: list[int]) -> None:
+        """Copy a longer start of the prompt (a system prompt) that another sequence holds, running or idle: in
+        the unified cache a copy shares cells and costs nothing, evaluating them again costs a prefill."""
+        donor = max((s for s in self.sessions if s is not ses), key=lambda s: common_prefix(s.tgt.tokens, prompt))
+        n = ses.share_prefix(donor, prompt, least=SHARE_MIN)
+        if n:
+            self.metrics.prefix_copied.inc(n)
 
     def _prefill_one(self) -> None:
         """One chunk of the first joining prompt; its last part starts the generation in the batch."""
