@@ -1,6 +1,6 @@
 """`specq serve --parallel N` against llama.cpp's own `llama-server` built from the same vendored tree.
 
-Three servers on one pair, all up at once, taking turns for each N so that a shared machine's load hits them
+Three servers on one pair, one at a time, taking turns for each N so that a shared machine's load hits them
 alike: specq serve (`--parallel N`, `--ctx C`), llama-server plain (`-np N -c N·C`) and llama-server with the same
 draft (`--spec-type draft-simple --spec-draft-model D --spec-draft-n-max 8`). N concurrent streaming clients send
 R greedy chat requests each (serve_load.run_load); reported per server and N: aggregate tokens/s (every client's
@@ -54,25 +54,23 @@ def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str
 
 def run_n(n: int, kinds: list[str], target: Path, draft: Path, prompts: list[str], a, texts: dict,
           tmp: str) -> list[dict]:
-    servers = {}
-    try:
-        for kind in kinds:
-            port = None if kind == "specq" else free_port()
-            servers[kind] = Server(argv(kind, n, target, draft, a, port), Path(tmp) / f"{kind}-{n}.log", port)
-        out = []
-        models = {kind: model_of(srv) for kind, srv in servers.items()}
-        for kind, srv in servers.items():  # warm-up: the weights touched, the threads started
-            run_load(srv.url, models[kind], prompts, 1, 1, 16)
-        for kind, srv in servers.items():
-            row = run_load(srv.url, models[kind], prompts, n, a.requests, a.max_tokens, {}, texts, kind)
-            out.append({"server": kind, "parallel": n, **row})
-            print(f"{kind:>18} N={n}: {row['total_tokens_per_s']:.1f} tok/s aggregate, TTFT p50 "
-                  f"{row['ttft_p50_s']:.2f}s p95 {row['ttft_p95_s']:.2f}s, errors {len(row['errors'])}",
-                  file=sys.stderr, flush=True)
-        return out
-    finally:
-        for srv in servers.values():
+    """Each server in turn, alone on the machine (an idle llama-server's threads still poll: three servers up at
+    once on 2 cores slowed whichever was working)."""
+    out = []
+    for kind in kinds:
+        port = None if kind == "specq" else free_port()
+        srv = Server(argv(kind, n, target, draft, a, port), Path(tmp) / f"{kind}-{n}.log", port)
+        try:
+            model = model_of(srv)
+            run_load(srv.url, model, prompts, 1, 1, 16)  # warm-up: the weights touched, the threads started
+            row = run_load(srv.url, model, prompts, n, a.requests, a.max_tokens, {}, texts, kind)
+        finally:
             srv.stop()
+        out.append({"server": kind, "parallel": n, **row})
+        print(f"{kind:>18} N={n}: {row['total_tokens_per_s']:.1f} tok/s aggregate, TTFT p50 "
+              f"{row['ttft_p50_s']:.2f}s p95 {row['ttft_p95_s']:.2f}s, errors {len(row['errors'])}",
+              file=sys.stderr, flush=True)
+    return out
 
 
 def main() -> None:
