@@ -292,3 +292,22 @@ def test_a_served_request_computes_only_on_the_thread_that_loaded_the_models(tin
     assert {"Context.decode", "Sampler.sample", "TransformChain.apply", "Context.close"} <= {n for n, _ in calls}
     if parallel > 1:
         assert "Context.decode_seqs" in {n for n, _ in calls}  # the requests ran together
+
+
+def test_a_reader_too_far_behind_loses_its_generation_instead_of_buffering_without_bound():
+    import asyncio
+
+    from specq.native.serving.app import MAX_BUFFERED, _emitter
+
+    async def main():
+        events: asyncio.Queue = asyncio.Queue()
+        overflowed = []
+        emit = _emitter(asyncio.get_running_loop(), events, on_overflow=lambda: overflowed.append(1))
+        for i in range(MAX_BUFFERED + 10):  # nobody reads
+            emit(("text", "x"))
+        emit(("done", None))
+        await asyncio.sleep(0.05)
+        return events.qsize(), len(overflowed)
+
+    size, overflowed = asyncio.run(main())
+    assert size == MAX_BUFFERED + 1 and overflowed == 10  # the end still arrives; the overflow cancelled the job
