@@ -3,7 +3,8 @@
 Three servers on one pair, one at a time, taking turns for each N so that a shared machine's load hits them
 alike: specq serve (`--parallel N`, `--ctx C`), llama-server plain (`-np N -c N·C`) and llama-server with the same
 draft (`--spec-type draft-simple --spec-draft-model D --spec-draft-n-max 8`). N concurrent streaming clients send
-R greedy chat requests each (serve_load.run_load); reported per server and N: aggregate tokens/s (every client's
+R greedy chat requests each (serve_load.run_load); "specq plain" is the same server asked for the target alone
+(`draft_max: 0` in each request); reported per server and N: aggregate tokens/s (every client's
 tokens over the wall time), median and p95 time to first token. Each server is restarted for each N (its -np,
 specq's --parallel). Also: how many prompts got the same answer from every server at every N.
 
@@ -39,7 +40,7 @@ def pair(name: str) -> tuple[Path, Path]:
 
 
 def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str]:
-    if kind == "specq":
+    if kind.startswith("specq"):
         return [str(Path(sys.executable).parent / "specq"), "serve", "--target", str(target), "--draft", str(draft),
                 "--host", "127.0.0.1", "--port", "0", "--threads", str(a.threads), "--ctx", str(CTX),
                 "--parallel", str(n), "--draft-max", a.draft_max, "--max-queue", "64",
@@ -58,12 +59,13 @@ def run_n(n: int, kinds: list[str], target: Path, draft: Path, prompts: list[str
     once on 2 cores slowed whichever was working)."""
     out = []
     for kind in kinds:
-        port = None if kind == "specq" else free_port()
+        port = None if kind.startswith("specq") else free_port()
         srv = Server(argv(kind, n, target, draft, a, port), Path(tmp) / f"{kind}-{n}.log", port)
         try:
             model = model_of(srv)
             run_load(srv.url, model, prompts, 1, 1, 16)  # warm-up: the weights touched, the threads started
-            row = run_load(srv.url, model, prompts, n, a.requests, a.max_tokens, {}, texts, kind)
+            extra = {"draft_max": 0} if kind == "specq plain" else {}  # the target alone, batched
+            row = run_load(srv.url, model, prompts, n, a.requests, a.max_tokens, extra, texts, kind)
         finally:
             srv.stop()
         out.append({"server": kind, "parallel": n, **row})
@@ -86,7 +88,7 @@ def main() -> None:
     a = ap.parse_args()
     target, draft = pair(a.pair)
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
-    kinds = ["specq", "llama-server plain", "llama-server spec"]
+    kinds = ["specq", "specq plain", "llama-server plain", "llama-server spec"]
     load0 = os.getloadavg()
     rows, texts = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,6 +99,8 @@ def main() -> None:
         by = {r["server"]: r for r in rows if r["parallel"] == n}
         s = by["specq"]
         ratios[n] = {"vs_plain": s["total_tokens_per_s"] / by["llama-server plain"]["total_tokens_per_s"],
+                     "plain_vs_plain": by["specq plain"]["total_tokens_per_s"]
+                     / by["llama-server plain"]["total_tokens_per_s"],
                      "vs_spec": s["total_tokens_per_s"] / by["llama-server spec"]["total_tokens_per_s"],
                      "ttft_p50_vs_plain": s["ttft_p50_s"] / by["llama-server plain"]["ttft_p50_s"]}
         print(f"N={n}: specq/plain {ratios[n]['vs_plain']:.2f}x, specq/spec {ratios[n]['vs_spec']:.2f}x, "
