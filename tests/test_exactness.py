@@ -216,11 +216,11 @@ def test_auto_length_and_auto_drafter_keep_the_joint_law_at_temperature_1(tiny_t
         toks = e.tokenize(PROMPT)
         law = target_law(tiny_target, toks, 3, top_k=4)
         counts, stats = sampled_law(e, toks, 4000, 3, n_predict=3, draft_max="auto", drafter=drafter, **kw)
+    assert chi2_pvalue(counts, law) > 0.001
     ks = {k for st in stats for k, _ in st.steps_by_k}
     assert {0, 1, 2} <= ks  # the controller's choices varied (k 0: plain decoding, or the last token's step)
-    assert sum(st.n_drafted for st in stats) > 4000 and sum(st.n_accepted for st in stats) > 2000
-    assert sum(st.n_drafted - st.n_accepted for st in stats) > 500  # rejections happened, and the law holds
-    assert chi2_pvalue(counts, law) > 0.001
+    assert sum(st.n_drafted for st in stats) > 3000 and sum(st.n_accepted for st in stats) > 2000
+    assert sum(st.n_drafted - st.n_accepted for st in stats) > 500  # rejections happened, and the law held
 
 
 # ---- 5. end of generation ------------------------------------------------------------------------------------
