@@ -148,3 +148,20 @@ def test_ngram_drafting_accepts_most_of_a_copy_on_the_demo_model():
     assert g.tokens == base.tokens and len(set(base.tokens)) > 10
     # the copy is proposed: over half the tokens come from accepted drafts, under half a step a token
     assert g.stats.n_accepted >= 32 and g.stats.n_steps <= 32 and g.stats.alpha >= 0.8
+
+
+def test_ngram_alone_under_auto_length_is_priced_as_a_lookup_with_a_draft_model_loaded(tiny_target, tiny_unrelated):
+    # With a draft model loaded and --drafter ngram, draft_max auto priced each n-gram token as a draft model token:
+    # the prefill's timing of the model (3 ms against the target's 10) and the model's share of the target's bytes
+    # as the prior; it drafted 18 tokens in 200. A lookup costs next to nothing (registry.cost_priors), so it drafts
+    # wherever the text repeats.
+    from specq.native.core.engine import SimulatedClock
+    from test_adaptive import cpu_like_costs
+
+    clock = SimulatedClock(cpu_like_costs(target_one_ms=10.0, draft_ms=3.0))
+    with Engine(tiny_target, tiny_unrelated, ctx=1024, threads=1, clock=clock) as e:
+        toks = e.tokenize("def fibonacci(n):")
+        base = e.session().generate(toks, GenerationSettings(n_predict=200), speculative=False).run()
+        g = e.session().generate(toks, GenerationSettings(n_predict=200, draft_max="auto", drafter="ngram")).run()
+    assert g.tokens == base.tokens and len(set(base.tokens)) > 50
+    assert dict(g.stats.n_drafted_by).get("ngram", 0) > 60 and g.stats.n_accepted > 30, g.stats.n_drafted_by

@@ -28,8 +28,9 @@ def new_controller(ses: Session, s: GenerationSettings) -> AdaptiveDraft | Adapt
         return AdaptiveDrafters(s.draft_cap, registry.cost_priors(eng, names), attention_prior=attention,
                                 model=ses.reader.name if ses.reader is not None else None,
                                 memoryless=[n for n in names if not ses.drafters[n].has_memory])
-    # an n-gram lookup costs next to nothing; a model about its share of the target's bytes
-    ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1) if eng.draft is not None else 0.01
+    # the dearest drafter of the list (registry.cost_priors): an n-gram lookup costs next to nothing, a model about
+    # its share of the target's bytes (--drafter ngram with a draft model loaded is priced as the lookup it is)
+    ratio = max(registry.cost_priors(eng, ses.available_drafters(s)).values(), default=0.01)
     return AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio, attention_prior=attention)
 
 
@@ -177,8 +178,8 @@ class Generation:
         ses, ctrl, reader, p = self.session, self.controller, self._reader, self._p
         t0, d0 = self._clock(), self._decode_s()
         timed = ses.prefill_reader()
-        for pos, n, target_s, draft_s in timed:
-            ctrl.calibrate(pos, target_s, draft_s, n)
+        for pos, n, target_s, draft_s in timed:  # the reader's timing prices only a reader this generation drafts with
+            ctrl.calibrate(pos, target_s, draft_s if reader is not None else None, n)
         agreement = ses.agreement
         if self._trial and agreement is not None:
             ctrl.at(len(ses.history))
