@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-# Prompt rows compared before a draft was tried (seed) count as this many observations each of position 1: 32 rows
-# make 8, past AdaptiveDraft.min_evidence, so that a verdict on the prompt needs no run of probes to confirm it,
-# while a few steps' own outcomes (they decay the seed like any other count) outweigh it.
+# Prompt rows compared before a draft was tried (seed) count as this many observations each of position 1 (32 rows
+# make 8): a few steps' own outcomes (they decay the seed like any other count) outweigh it. They are not drafts
+# tried (`tried`): a first reading of the draft's cost may be noisy, and only drafting steps correct it.
 SEED_WEIGHT = 0.25
 
 
@@ -27,6 +27,7 @@ class Acceptance:
         self.alpha_prior = alpha_prior
         self.succ = [0.0] * cap
         self.trials = [0.0] * cap
+        self.tried = 0.0  # drafting steps (decayed as the counts are): what AdaptiveDraft.thin_evidence reads
         self.n_seeds = 0
 
     def alphas(self) -> list[float]:
@@ -54,11 +55,13 @@ class Acceptance:
         """Drop every count (the drafter drafts from another memory now); the prior stays."""
         self.succ = [0.0] * self.cap
         self.trials = [0.0] * self.cap
+        self.tried = 0.0
 
     def _decayed(self) -> None:
         d = self.decay
         self.succ = [x * d for x in self.succ]
         self.trials = [x * d for x in self.trials]
+        self.tried = self.tried * d + 1.0
 
     def count(self, n_drafted: int, n_accepted: int) -> None:
         """A step's 0/1 outcomes: positions 1..n_accepted accepted, the next one (if drafted) rejected."""

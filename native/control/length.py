@@ -179,12 +179,12 @@ class AdaptiveDraft:
         Σ min(p, q)). It moves the acceptance prior and counts as a few observations of position 1
         (acceptance.SEED_WEIGHT), which the steps' own outcomes then outweigh; a pair that agrees drafts from the
         first step even where drafting pays only at high acceptance (long context, a draft nearly as dear as the
-        target), and one that does not is no thin evidence to probe every other step."""
+        target). Evidence stays thin until drafts are tried (thin_evidence)."""
         self.acceptance.seed(n_agree, n)
 
     def thin_evidence(self) -> bool:
         """Whether too few drafts were tried yet for plain decoding to be a verdict (see min_evidence)."""
-        return self.trials[0] < self.min_evidence
+        return self.acceptance.tried < self.min_evidence
 
     # -- decisions ------------------------------------------------------------------------------
     def expected(self, limit: int, overhead: float | None = None, per_token: float = 0.0) -> tuple[int, float]:
