@@ -99,7 +99,8 @@ def main() -> None:
             per_repeat[t].append(sum(r["n_generated"] for r in rows) / sum(r["gen_s"] for r in rows))
     med = {t: statistics.median(v) for t, v in per_repeat.items()}
     best = max(a.types.split(","), key=lambda t: med[t])
-    doc = {"machine": machine(), "command": " ".join(["python", "benchmarks/ngram_vs_llamacpp.py", *sys.argv[1:]]),
+    args = ["<llama.cpp build>/bin" if x == str(a.llama_bin) else x for x in sys.argv[1:]]  # no path of this machine
+    doc = {"machine": machine(), "command": " ".join(["python", "benchmarks/ngram_vs_llamacpp.py", *args]),
            "target": Path(target).name, "set": a.set, "prompts": names, "n_predict": a.n_predict,
            "threads": a.threads, "draft_max": a.draft_max, "repeat": a.repeat,
            "tokens_per_s_per_repeat": per_repeat, "median_tokens_per_s": med, "best_llamacpp": best,
