@@ -1,12 +1,16 @@
 """draft_max=auto against plain decoding and a sweep of fixed draft lengths, on three pairs.
 
-    python benchmarks/adaptive.py [--pairs good,useless,expensive] [--n-predict 256]
-        [--repeat 3] [--threads 2] [--prompts F.jsonl] [--good-sweep 1,2,4,8,16] [--out results.json]
+    python benchmarks/adaptive.py [--pairs good,useless,expensive,deep] [--n-predict 256]
+        [--repeat 3] [--threads 2] [--prompts F.jsonl] [--limit-prompts N] [--good-sweep 1,2,4,8,16]
+        [--temp T --top-k 40 --top-p 0.9 --seed S] [--out results.json]
 
 Pairs (all share the SmolLM2-135M vocabulary; the target is the demo pair's F32 target):
   useless:   the target's first 2 layers (+ embeddings/output): ~0% acceptance
   expensive: the target's first 19 of 30 layers: costs ~0.7 of the target
   good:      the demo pair's Q4_1 draft
+  deep:      benchmarks/deep_pair.py's pair (a 120-block F16 target made from the demo target, the demo draft)
+At --temp > 0 every mode samples with the same seed (rejection sampling under speculation); "best fixed" is the
+fixed length with the best median over the repeats, and `stability` gives each mode's slowest repeat ÷ its median.
 Each pair runs through `specq bench`'s own loop (run_bench): the built-in prompt set (or --prompts, e.g.
 benchmarks/prompts/adaptive12.jsonl), each prompt as one chat turn, baseline and every draft-max (auto included) alternating per prompt and repeat. A mode's rate
 is its generated tokens over its generation time summed over the prompts, per repeat; the median over
@@ -31,6 +35,7 @@ from specq.native.commands.demo import cache_dir, demo_pair
 from specq.native.commands.placement import default_ngl
 from specq.native.core.config import EngineConfig
 from specq.native.core.settings import GenerationSettings
+from deep_pair import deep_pair  # noqa: E402 (benchmarks/ is the script's folder)
 
 
 def first_layers(src: Path, dst: Path, n: int) -> Path:
@@ -83,11 +88,14 @@ def load_prompts(path: str | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def run_pair(name: str, target: Path, draft: Path, sweep: list, n_predict: int, repeat: int,
-             threads: int | None, prompt_file: str | None = None) -> dict:
+             threads: int | None, prompt_file: str | None = None, settings: GenerationSettings | None = None,
+             limit: int = 0) -> dict:
     names, prompts = load_prompts(prompt_file)
+    if limit:
+        names, prompts = names[:limit], prompts[:limit]
     engine = EngineConfig(str(target), str(draft), threads=threads, ngl=default_ngl(), ngl_draft=default_ngl())
     cfg = BenchConfig(engine=engine, prompts=prompts, prompt_names=names, chat=True,
-                      settings=GenerationSettings(n_predict=n_predict), repeat=repeat,
+                      settings=settings or GenerationSettings(n_predict=n_predict), repeat=repeat,
                       sweep=tuple((k, 0.0) for k in sweep))
 
     def progress(run: dict) -> None:
@@ -107,8 +115,10 @@ def run_pair(name: str, target: Path, draft: Path, sweep: list, n_predict: int, 
     cost = next(pt["summary"]["cost_ratio"] for pt in doc["sweep"] if str(pt["draft_max"]) == best)
     auto_runs = [r for r in doc["runs"] if mode_of(r) == "auto"]
     file_names_only(doc)
+    stability = {m: min(v) / med[m] for m, v in per_repeat.items()}
     return {"pair": name, "target": Path(target).name, "draft": Path(draft).name, "cost_ratio_at_best_fixed": cost,
-            "tokens_per_s_per_repeat": per_repeat, "median_tokens_per_s": med,
+            "prompts": list(names), "tokens_per_s_per_repeat": per_repeat, "median_tokens_per_s": med,
+            "stability": stability,
             "auto_vs_plain": med["auto"] / med["baseline"], "best_fixed": best,
             "auto_vs_best_fixed": med["auto"] / med[best],
             "auto_steps": sum(r["n_steps"] for r in auto_runs),
@@ -125,20 +135,30 @@ def main() -> None:
     ap.add_argument("--pairs", default="useless,expensive,good")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prompts", help="a JSONL prompt file instead of the built-in set")
-    ap.add_argument("--good-sweep", default="1,2,4,8,16", help="fixed draft lengths to run on the good pair")
+    ap.add_argument("--good-sweep", default="1,2,4,8,16", help="fixed draft lengths to run on the good and deep pairs")
+    ap.add_argument("--limit-prompts", type=int, default=0, help="only the first N prompts of the set")
+    ap.add_argument("--temp", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=40)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out")
     a = ap.parse_args()
     target, good = demo_pair()
-    drafts = {
-        "useless": (first_layers(target, cache_dir() / "SmolLM2-135M-first2.F32.gguf", 2), [4, "auto"]),
-        "expensive": (first_layers(target, cache_dir() / "SmolLM2-135M-first19.F32.gguf", 19), [2, "auto"]),
-        "good": (good, [int(k) for k in a.good_sweep.split(",")] + ["auto"]),
+    sweep = [int(k) for k in a.good_sweep.split(",")] + ["auto"]
+    pairs = {
+        "useless": lambda: (target, first_layers(target, cache_dir() / "SmolLM2-135M-first2.F32.gguf", 2), [4, "auto"]),
+        "expensive": lambda: (target, first_layers(target, cache_dir() / "SmolLM2-135M-first19.F32.gguf", 19),
+                              [2, "auto"]),
+        "good": lambda: (target, good, sweep),
+        "deep": lambda: (*deep_pair(), sweep),
     }
+    settings = GenerationSettings(n_predict=a.n_predict, temp=a.temp, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
     doc = {"machine": machine(), "command": " ".join(sys.argv), "n_predict": a.n_predict, "repeat": a.repeat,
+           "temp": a.temp, "top_k": a.top_k, "top_p": a.top_p, "seed": a.seed,
            "prompt_set": (a.prompts or "default") + " (each prompt as one chat turn)", "results": []}
     for name in a.pairs.split(","):
-        d, modes = drafts[name]
-        res = run_pair(name, target, d, modes, a.n_predict, a.repeat, a.threads, a.prompts)
+        t, d, modes = pairs[name]()
+        res = run_pair(name, t, d, modes, a.n_predict, a.repeat, a.threads, a.prompts, settings, a.limit_prompts)
         doc["results"].append(res)
         med = res["median_tokens_per_s"]
         print(f"{name}: " + " · ".join(f"{m} {v:.1f}" for m, v in med.items())

@@ -1,9 +1,12 @@
 """Drafters against the target alone: model, ngram, model+ngram and auto (and mtp on a target with an MTP head).
 
     python benchmarks/drafters.py [--sets general,copy] [--n-predict 256] [--repeat 3] [--threads 2]
-        [--draft-max auto] [--limit-prompts N] [--target T.gguf --draft D.gguf | --no-draft] [--out results.json]
+        [--draft-max auto] [--limit-prompts N] [--target T.gguf --draft D.gguf | --no-draft | --draft-layers N]
+        [--temp T] [--out results.json]
 
-Default pair: the demo pair (SmolLM2-135M-Instruct F32 target, its Q4_1 draft). Prompt sets:
+Default pair: the demo pair (SmolLM2-135M-Instruct F32 target, its Q4_1 draft). `--draft-layers N`: the draft is
+the target's own first N blocks (embeddings and output kept; adaptive.first_layers): a useless draft of the same
+vocabulary, which auto must leave alone. Prompt sets:
   general: the built-in prompt set (code, chat, reasoning, Chinese, a long-document summary)
   copy:    benchmarks/prompts/copy_heavy.jsonl, editing and summarising tasks whose answers copy from the prompt
 Each prompt runs as one chat turn. Within a repeat, every prompt runs every mode, target alone included, in an
@@ -75,7 +78,7 @@ def run_set(eng: Engine, set_name: str, modes: list[str], a) -> dict:
         for pi, t in enumerate(toks):
             for m in order:
                 spec = m != "baseline"
-                s = GenerationSettings(n_predict=a.n_predict, draft_max=draft_max,
+                s = GenerationSettings(n_predict=a.n_predict, draft_max=draft_max, temp=a.temp, seed=a.seed + rep,
                                        drafter=m if spec else "model").validate()
                 ses = sessions[m]
                 ses.reset()
@@ -118,6 +121,9 @@ def main() -> None:
     ap.add_argument("--target", help="target GGUF (default: the demo pair)")
     ap.add_argument("--draft", help="draft GGUF (default: the demo pair's, with the demo target)")
     ap.add_argument("--no-draft", action="store_true", help="no draft model: ngram, mtp and auto only")
+    ap.add_argument("--draft-layers", type=int, default=0, help="the draft: the target's first N blocks (useless)")
+    ap.add_argument("--temp", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ngl", type=int, default=None)
     ap.add_argument("--ngl-draft", type=int, default=None)
     ap.add_argument("--ctx", type=int, default=4096)
@@ -129,11 +135,17 @@ def main() -> None:
         target, draft = demo_pair()
     if a.no_draft:
         draft = None
+    if a.draft_layers:
+        from adaptive import first_layers
+        from specq.native.commands.demo import cache_dir
+
+        draft = first_layers(target, cache_dir() / f"{target.stem}-first{a.draft_layers}.gguf", a.draft_layers)
     ngl = placement.default_ngl() if a.ngl is None else a.ngl
     ngl_draft = placement.default_ngl() if a.ngl_draft is None else a.ngl_draft
     doc = {"machine": machine(), "command": " ".join(["python", "benchmarks/drafters.py", *sys.argv[1:]]),
            "target": target.name, "draft": draft.name if draft else None, "n_predict": a.n_predict,
-           "repeat": a.repeat, "draft_max": a.draft_max, "sets": []}
+           "repeat": a.repeat, "draft_max": a.draft_max, "temp": a.temp, "draft_layers": a.draft_layers,
+           "sets": []}
     with Engine(target, draft, ctx=a.ctx, threads=a.threads, ngl=ngl, ngl_draft=ngl_draft, mtp=None) as eng:
         doc["target_has_mtp"] = eng.mtp_ctx is not None
         modes = modes_for(draft is not None, eng.mtp_ctx is not None)

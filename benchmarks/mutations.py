@@ -86,6 +86,14 @@ MUTANTS = [
     Mutant("count-emitted-only", "a step counts as drafted only the positions up to its first rejection, not every "
                                  "draft token verified (accept_rate became the per-position α)",
            (("native/core/stats.py", "        if n_kept < len(step.emitted):\n", "        if True:\n"),)),
+    Mutant("controller-peeks", "the step's outcome seen before choosing: a step whose first draft was rejected is "
+                               "taken back and decoded plain (the draft length chosen after the verify)",
+           (("native/core/generation.py",
+             "                step = ses._step(s, samp, max(n_draft_max, 0), drafters)\n",
+             "                step = ses._step(s, samp, max(n_draft_max, 0), drafters)\n"
+             "                if step.n_drafted and len(step.emitted) == 1:\n"
+             "                    ses._rewind()\n"
+             "                    step = ses._step(s, samp, 0, ())\n"),)),
     Mutant("mtp-pairing", "the MTP head fed token k with the trunk's hidden state h_{k-2} instead of h_{k-1}",
            (("native/drafters/mtp.py", "            rows = self.rows.take(m - 1, upto - 1)\n",
              "            rows = np.roll(self.rows.take(m - 1, upto - 1), 1, axis=0)\n"),)),

@@ -204,6 +204,26 @@ def test_joint_law_of_four_tokens_with_two_drafted_is_the_targets(tiny_target, t
     assert chi2_pvalue(counts, law) > 0.001
 
 
+# ---- 4b. the adaptive controller acts on what it saw (draft length, drafter, plain steps): the law stays exact --
+@pytest.mark.parametrize("drafter", ["model", "auto"])
+def test_auto_length_and_auto_drafter_keep_the_joint_law_at_temperature_1(tiny_target, tiny_close, drafter):
+    # draft_max auto (and --drafter auto) choose each step's length and drafter from earlier steps' outcomes, on
+    # one controller for all 4,000 generations (a session keeps it): the first four tokens (the first from the
+    # target's prefill, then the controller's steps) must still follow the target's law. A simulated clock makes
+    # the draft cheap, so that the controller drafts whatever the load.
+    kw = dict(temp=1.0, top_k=4, top_p=1.0, min_p=0.0)
+    clock = SimulatedClock(lambda name, n, pos0: (0.001 if name == "draft" else 0.010 + 0.001 * n))
+    with Engine(tiny_target, tiny_close, ctx=128, threads=1, clock=clock) as e:
+        toks = e.tokenize(PROMPT)
+        law = target_law(tiny_target, toks, 4, top_k=4)
+        counts, stats = sampled_law(e, toks, 4000, 4, n_predict=4, draft_max="auto", drafter=drafter, **kw)
+    assert chi2_pvalue(counts, law) > 0.001
+    ks = {k for st in stats for k, _ in st.steps_by_k}
+    assert {0, 1, 2} <= ks  # the controller's choices varied (k 0: plain decoding, or the last token's step)
+    assert sum(st.n_drafted for st in stats) > 3000 and sum(st.n_accepted for st in stats) > 2000
+    assert sum(st.n_drafted - st.n_accepted for st in stats) > 500  # rejections happened, and the law held
+
+
 # ---- 5. end of generation ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def eog_pair(models_dir, tiny_target):

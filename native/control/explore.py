@@ -35,8 +35,10 @@ class ProbeSchedule:
     """When a probe is due while plain decoding wins: after more than `interval` plain steps, an interval that
     starts at probe_min, doubles (up to probe_max) while probes keep failing and starts over once drafting wins;
     while evidence is thin (AdaptiveDraft.min_evidence), after `thin_gap` plain steps instead: every other step
-    as long as probes pay for themselves, spaced within thin_budget of plain decoding when they cost. A probe's
-    measured extra cost also stretches `interval` so that probes stay within probe_budget of plain decoding."""
+    as long as probes pay for themselves, spaced within thin_budget of plain decoding when they cost. A probe that
+    gained (it emitted more than its time in plain steps) makes the next one due as soon, whatever the evidence: the
+    draft may have turned good (the text changed), and the probes that show it cost nothing. A probe's measured
+    extra cost also stretches `interval` so that probes stay within probe_budget of plain decoding."""
 
     def __init__(self, probe_min: int, probe_max: int, probe_budget: float, thin_budget: float = 0.05):
         self.probe_min, self.probe_max = probe_min, probe_max
@@ -46,6 +48,8 @@ class ProbeSchedule:
         self.thin_gap = 1  # plain steps between probes while evidence is thin
         self.plain_streak = 0
         self.probing = False  # the next step observed is a probe (its cost is measured)
+        self.gained = False  # the last probe emitted more than plain decoding would have in its time
+        self.n_gained = 0
 
     def drafting(self) -> None:
         """A step drafts on its merits: plain decoding stopped winning, the spacing starts over."""
@@ -58,7 +62,7 @@ class ProbeSchedule:
 
     def gap(self, thin: bool, at_least: int = 0) -> int:
         """Plain steps that must pass before the next probe (`at_least`: another schedule's interval)."""
-        return self.thin_gap if thin else max(self.interval, at_least)
+        return self.thin_gap if thin or self.gained else max(self.interval, at_least)
 
     def due(self, thin: bool) -> bool:
         """Whether the plain steps so far make a probe due."""
@@ -75,6 +79,8 @@ class ProbeSchedule:
         if extra > 0:
             self.interval = max(self.interval, int(extra / self.probe_budget))
         self.thin_gap = max(1, int(extra / self.thin_budget)) if extra > 0 else 1
+        self.gained = extra < 0
+        self.n_gained += self.gained
 
 
 def doubled(interval: int, most: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .acceptance import Acceptance
 from .costs import DraftCosts, TargetCosts, calibration_points, running_mean
 from .expected import best_draft_length, expected_tokens
 from .explore import DEFAULT_HORIZON, ExploreBudget, ProbeSchedule
@@ -59,13 +60,7 @@ class AdaptiveDraft:
         cost) cannot stop drafting for a whole answer. `target`, `budget`: another controller's, shared (the
         drafter chooser's): that one records the verifies, the prefill's target timings and the steps' time."""
         self.cap = cap
-        self.decay = decay
-        self.w = prior_weight
-        # Before any step: a vocabulary-aligned draft usually agrees on most tokens, so start drafting a
-        # few; two pseudo-observations, so the first steps' outcomes take over at once.
-        self.alpha_prior = alpha_prior
-        self.succ = [0.0] * cap
-        self.trials = [0.0] * cap
+        self.acceptance = Acceptance(cap, decay, prior_weight, alpha_prior)
         self.owns_target = target is None  # whether this controller records what the target costs
         self.target = TargetCosts(ema, attention_prior) if target is None else target
         self.draft = DraftCosts(self.target, cost_ratio_prior, ema)
@@ -82,7 +77,6 @@ class AdaptiveDraft:
         self.n_plain_steps = 0
         self.n_probes = 0
         self.n_catchups = 0  # long catch-ups measured (catchup_s)
-        self.n_seeds = 0  # prompts whose agreement seeded the acceptance prior (seed_acceptance)
         self.n_reach_limited = 0  # choices shortened by reach (thin evidence, a dear step)
 
     # -- context and costs ------------------------------------------------------------------------
@@ -158,38 +152,39 @@ class AdaptiveDraft:
         the change was the other memory's: it is forgotten, and `agreement` ((agreeing, rows) of the memory now
         used, on the target's choices) seeds the prior instead."""
         self.draft_cost_changed(t_token)
-        self.succ = [0.0] * self.cap
-        self.trials = [0.0] * self.cap
+        self.acceptance.forget()
         self.seed_acceptance(*agreement)
 
     # -- acceptance -------------------------------------------------------------------------------
     def alphas(self) -> list[float]:
-        # Position 1 shrinks to the pooled rate; each later one to its predecessor's estimate (the
-        # conditional rate after j accepted tokens rarely falls with j), so positions never tried inherit it,
-        # but never to less than the pooled rate: one early rejection far out must not keep drafts short.
-        pooled = (sum(self.succ) + 2.0 * self.alpha_prior) / (sum(self.trials) + 2.0)
-        prev, out = pooled, []
-        for s, t in zip(self.succ, self.trials):
-            prev = (s + self.w * max(prev, pooled)) / (t + self.w)
-            out.append(prev)
-        return out
+        """α_1..α_cap (acceptance.Acceptance)."""
+        return self.acceptance.alphas()
+
+    @property
+    def trials(self) -> list[float]:
+        return self.acceptance.trials
+
+    @property
+    def n_seeds(self) -> int:
+        """Prompts whose agreement seeded the acceptance (seed_acceptance)."""
+        return self.acceptance.n_seeds
 
     def wants_agreement(self) -> bool:
         """Whether prompt agreement would inform the next choice (seed_acceptance): while evidence is thin."""
         return self.thin_evidence()
 
-    def seed_acceptance(self, n_agree: int, n: int) -> None:
+    def seed_acceptance(self, n_agree: float, n: int) -> None:
         """Evidence from the prompt before a draft was tried: of n prompt positions, n_agree where the drafter's
-        greedy choice equals the target's (teacher-forced acceptance). It moves the acceptance prior, which
-        the steps' own outcomes then outweigh; a pair that agrees drafts from the first step even where
-        drafting pays only at high acceptance (long context, a draft nearly as dear as the target)."""
-        if n > 0:
-            self.alpha_prior = (n_agree + 2.0 * self.alpha_prior) / (n + 2.0)
-            self.n_seeds += 1
+        greedy choice equals the target's (teacher-forced acceptance; under rejection sampling the rows' summed
+        Σ min(p, q)). It moves the acceptance prior and counts as a few observations of position 1
+        (acceptance.SEED_WEIGHT), which the steps' own outcomes then outweigh; a pair that agrees drafts from the
+        first step even where drafting pays only at high acceptance (long context, a draft nearly as dear as the
+        target). Evidence stays thin until drafts are tried (thin_evidence)."""
+        self.acceptance.seed(n_agree, n)
 
     def thin_evidence(self) -> bool:
         """Whether too few drafts were tried yet for plain decoding to be a verdict (see min_evidence)."""
-        return self.trials[0] < self.min_evidence
+        return self.acceptance.tried < self.min_evidence
 
     # -- decisions ------------------------------------------------------------------------------
     def expected(self, limit: int, overhead: float | None = None, per_token: float = 0.0) -> tuple[int, float]:
@@ -234,8 +229,7 @@ class AdaptiveDraft:
         while k > 1 and first + (k - 1) * per + self.verify_s(k + 1) + overhead > most:
             k -= 1
         if not self.thin_evidence():
-            tried = max((i + 1 for i, t in enumerate(self.trials) if t >= 0.5), default=0)
-            k = max(k, min(limit, tried + REACH_STEP))
+            k = max(k, min(limit, self.acceptance.deepest_tried() + REACH_STEP))
         if k < limit:
             self.n_reach_limited += 1
         return k
@@ -289,25 +283,17 @@ class AdaptiveDraft:
             # extra cost stays within the schedule's budgets of plain decoding.
             self.schedule.probing = False
             plain = self.verify_s(1) + self.overhead
-            extra = step.step_s / plain - 1.0 - step.n_accepted
+            extra = step.step_s / plain - 1.0 - step.expected_accepted
             self.budget.spent_s += extra * plain
             self.schedule.measured(extra)
-        if step.n_drafted:
-            self._count(step.n_drafted, step.n_accepted)
+        if step.n_drafted and step.acceptance is not None:
+            self.acceptance.count_expected(step.acceptance)
+        elif step.n_drafted:
+            self.acceptance.count(step.n_drafted, step.n_accepted)
         self.draft.observe(step.draft_token_s, step.first_token_s)
         if self.owns_target:
             self.target.observe(step.n_drafted + 1, step.verify_s)
         self.overhead = running_mean(self.overhead, step.overhead_s, self.ema)
-
-    def _count(self, n_drafted: int, n_accepted: int) -> None:
-        d = self.decay
-        self.succ = [x * d for x in self.succ]
-        self.trials = [x * d for x in self.trials]
-        for i in range(min(n_accepted, self.cap)):
-            self.succ[i] += 1.0
-            self.trials[i] += 1.0
-        if n_accepted < n_drafted:
-            self.trials[n_accepted] += 1.0
 
     def snapshot(self, limit: int | None = None) -> AdaptiveSnapshot:
         k, _ = self.expected(self.cap if limit is None else limit)

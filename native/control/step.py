@@ -12,7 +12,9 @@ class StepOutcome:
     the first (None: not measured cleanly); `draft_s`: the whole drafting time, the draft's catch-up after plain
     steps included; `overhead_s`: the step's time outside drafting and verifying; `catchup`: (n tokens, seconds)
     of a long catch-up and the first drafted token together; `drafter`: whose draft it was (None: plain decoding;
-    only the drafter chooser reads it)."""
+    only the drafter chooser reads it); `acceptance`: under rejection sampling, per drafted position (the
+    probability of reaching it given the drafts before, its expected acceptance Σ min(p, q)): the same law as
+    the 0/1 outcomes without their noise (core/accept.expected_acceptance); None: count n_accepted."""
 
     n_drafted: int
     n_accepted: int
@@ -23,6 +25,14 @@ class StepOutcome:
     first_token_s: float | None = None
     catchup: tuple[int, float] | None = None
     drafter: str | None = None
+    acceptance: tuple[tuple[float, float], ...] | None = None
+
+    @property
+    def expected_accepted(self) -> float:
+        """The draft tokens the step was expected to accept (n_accepted where nothing finer was measured)."""
+        if self.acceptance is None:
+            return float(self.n_accepted)
+        return sum(reach * a for reach, a in self.acceptance)
 
     @property
     def step_s(self) -> float:

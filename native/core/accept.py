@@ -68,6 +68,32 @@ def rejection_emit(draft: Sequence[int], q: Sequence, p: Sequence, rng: np.rando
     return [int(t) for t in draft[:a]] + [draw_sparse(ids, residual, rng)]
 
 
+def expected_acceptance(draft: Sequence[int], q: Sequence, p: Sequence) -> list[tuple[float, float]]:
+    """Per drafted position i: (the probability that rejection_emit reaches it given the drafts before it,
+    Π_{j<i} min(1, p_j(d_j)/q_j(d_j)); its expected acceptance Σ_x min(p_i(x), q_i(x))).
+
+    What the controller learns from at temperature > 0: the step's 0/1 outcomes are one draw of the same
+    quantities, far noisier. reach·expected summed is the expected number accepted; over steps,
+    Σ reach·expected / Σ reach estimates the conditional acceptance at position i without bias."""
+    out, reach = [], 1.0
+    for i in range(len(draft)):
+        out.append((reach, overlap(q[i], p[i])))
+        qd = _prob_of(q[i], draft[i])
+        reach *= min(1.0, _prob_of(p[i], draft[i]) / qd) if qd > 0 else 0.0
+    return out
+
+
+def overlap(q, p) -> float:
+    """Σ_x min(p(x), q(x)), scattered into a dense row (no sort of a vocabulary-wide distribution)."""
+    qi, qp = _pair(q)
+    pi, pp = _pair(p)
+    if not len(qi) or not len(pi):
+        return 0.0
+    dense = np.zeros(int(max(qi.max(), pi.max())) + 1)
+    dense[qi] = qp
+    return float(np.minimum(pp, dense[pi]).sum())
+
+
 def _pair(d) -> tuple[np.ndarray, np.ndarray]:
     return (d.ids, d.probs) if hasattr(d, "ids") else (np.asarray(d[0]), np.asarray(d[1]))
 

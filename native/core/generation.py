@@ -28,8 +28,9 @@ def new_controller(ses: Session, s: GenerationSettings) -> AdaptiveDraft | Adapt
         return AdaptiveDrafters(s.draft_cap, registry.cost_priors(eng, names), attention_prior=attention,
                                 model=ses.reader.name if ses.reader is not None else None,
                                 memoryless=[n for n in names if not ses.drafters[n].has_memory])
-    # an n-gram lookup costs next to nothing; a model about its share of the target's bytes
-    ratio = eng.draft.size_bytes / max(eng.target.size_bytes, 1) if eng.draft is not None else 0.01
+    # the dearest drafter of the list (registry.cost_priors): an n-gram lookup costs next to nothing, a model about
+    # its share of the target's bytes (--drafter ngram with a draft model loaded is priced as the lookup it is)
+    ratio = max(registry.cost_priors(eng, ses.available_drafters(s)).values(), default=0.01)
     return AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio, attention_prior=attention)
 
 
@@ -192,7 +193,8 @@ class Generation:
         nothing was measured at this context yet, the prefill times single tokens on each model, so that the first
         speculative step is priced at this context (at thousands of tokens attention changes the costs). Before the
         draft model was tried enough, it also compares the reader's greedy choices with the target's over the
-        prompt's last rows (greedy decoding: acceptance is exactly that agreement)."""
+        prompt's last rows (greedy decoding: acceptance is exactly that agreement; under rejection sampling, each
+        row's expected acceptance Σ min(p, q))."""
         ses, s, p = self.session, self.settings, self._p
         auto_drafter = s.drafters == (registry.AUTO,)
         ctrl = ses.controller(s) if self.speculative and (s.adaptive or auto_drafter) else None
@@ -202,13 +204,17 @@ class Generation:
         tp0 = self._clock()
         p.trials0, p.reverts0 = self._window_counts()[1:]
         greedy_reader = ctrl is not None and self._reader is not None and s.temp <= 0
-        self._wants = greedy_reader and ctrl.wants_agreement()
+        # the prompt's rows tell the acceptance where verification has a law for it: greedy, or rejection sampling
+        sampled = s if s.accept_mode == "rejection" else None
+        self._wants = (greedy_reader or ctrl is not None and self._reader is not None and sampled is not None) \
+            and ctrl.wants_agreement()
         # --ctx-draft auto: at a long context, whether a draft window would be faster (drafters/window.py)
         self._trial = greedy_reader and self._reader.trial.due(len(self.new_tokens))
         has_reader = self._reader is not None
         ses.prefill_target(self.new_tokens,
                            timed=(lambda first, last: ctrl.calibration_points(first, last, has_reader))
-                           if ctrl is not None else None, agree=AGREE_TOKENS if self._wants or self._trial else 0)
+                           if ctrl is not None else None, agree=AGREE_TOKENS if self._wants or self._trial else 0,
+                           sampled=sampled)
         p.prompt_s = self._clock() - tp0
 
     def _read_prompt(self) -> None:
@@ -218,8 +224,8 @@ class Generation:
         ses, ctrl, reader, p = self.session, self.controller, self._reader, self._p
         t0, d0 = self._clock(), self._decode_s()
         timed = ses.prefill_reader()
-        for pos, n, target_s, draft_s in timed:
-            ctrl.calibrate(pos, target_s, draft_s, n)
+        for pos, n, target_s, draft_s in timed:  # the reader's timing prices only a reader this generation drafts with
+            ctrl.calibrate(pos, target_s, draft_s if reader is not None else None, n)
         agreement = ses.agreement
         if self._trial and agreement is not None:
             ctrl.at(len(ses.history))
@@ -255,7 +261,8 @@ class Generation:
         if ctrl is not None:
             ctrl.observe(StepOutcome(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
                                      self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s,
-                                     step.first_token_s, step.catchup, drafter=step.drafter))
+                                     step.first_token_s, step.catchup, drafter=step.drafter,
+                                     acceptance=step.acceptance))
         self._settle_window(finished=False)
 
     def _emit(self, step: StepResult, utf8, remaining: int | None) -> tuple[list[TokenEvent], str | None]:

@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, TYPE_CHECKING
 
+import numpy as np
+
 from ...errors import ContextFullError, UsageError
 from ..drafters import registry
 from ..drafters.base import Agreement, CatchUp, Drafter, Proposal
-from .accept import greedy_emit, rejection_emit
+from .accept import expected_acceptance, greedy_emit, overlap, rejection_emit
 from .generation import Generation, new_controller
 from .memory import Memory, common_prefix
-from .sampling import Sampling
+from .sampling import Sampling, Transform, restrict
 from .settings import AGREE_MIN, GenerationSettings
 
 if TYPE_CHECKING:
@@ -30,6 +32,8 @@ class StepResult:
     draft_token_s: float | None = None  # seconds per further drafted token, where measured
     drafter: str | None = None  # who proposed this step's drafts (a registry name)
     catchup: CatchUp | None = None  # a long catch-up before the first drafted token
+    # rejection sampling: per drafted position (reach, expected acceptance), accept.expected_acceptance
+    acceptance: tuple[tuple[float, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -151,21 +155,23 @@ class Session:
         t1 = clock()
         self.tgt.save_checkpoint(n_next=len(drafts) + 1)  # the verify is one decode; its first token stays
         self.tgt.extend([self.history[-1]] + drafts, logits="all")
-        emitted = self._accept(drafts, q, samp)
+        emitted, acceptance = self._accept(drafts, q, samp)
         return StepResult(emitted, len(drafts), t1 - t0, clock() - t1, prop.first_token_s, prop.token_s,
-                          drafter=drafter, catchup=prop.catchup)
+                          drafter=drafter, catchup=prop.catchup, acceptance=acceptance)
 
-    def _accept(self, drafts: list[int], q: list, samp: Sampling) -> list[int]:
-        """The tokens the verify emits: the accepted drafts, then the target's own next token."""
+    def _accept(self, drafts: list[int], q: list, samp: Sampling) -> tuple[list[int], tuple | None]:
+        """The tokens the verify emits: the accepted drafts, then the target's own next token; under rejection
+        also what each drafted position was expected to accept (for the controller, after the fact)."""
         if samp.mode == "greedy":
-            return greedy_emit(self.tgt.ctx.logits(len(drafts) + 1), drafts)
+            return greedy_emit(self.tgt.ctx.logits(len(drafts) + 1), drafts), None
         if samp.mode == "rejection":
             clock = self.engine.clock
             ts = clock()
             p = samp.target_tf.rows(self.tgt.ctx.logits(len(drafts) + 1))
             emitted = rejection_emit(drafts, q, p, samp.rng)
+            acceptance = tuple(expected_acceptance(drafts, q, p))
             samp.sample_s += clock() - ts
-            return emitted
+            return emitted, acceptance
         # The target samples at each position; a draft token is accepted when the sample equals it.
         emitted = []
         for i in range(len(drafts) + 1):
@@ -173,7 +179,7 @@ class Session:
             emitted.append(tok)
             if i == len(drafts) or tok != drafts[i]:
                 break
-        return emitted
+        return emitted, None
 
     def _rewind(self) -> None:
         """Roll every memory back to the committed history (the target holds all but the last token)."""
@@ -204,19 +210,21 @@ class Session:
 
     # ==== prefill ===============================================================================
     def prefill(self, new_tokens: list[int], timed: Callable[[int, int], list[tuple[int, int]]] | None = None,
-                agree: int = 0) -> list[Timing]:
+                agree: int = 0, sampled: GenerationSettings | None = None) -> list[Timing]:
         """Append tokens to the history and evaluate all but the last on the target and the reader: the target's
         part (prefill_target), then the reader's (prefill_reader).
 
         `timed(first, last)`: spans (position, n_tokens) among the new ones (first..last-1 may be evaluated) to
         decode alone and time (a Timing each). `agree`: up to that many new tokens just before the timed spans
         are decoded with every row's logits on the target and the reader, and `self.agreement` is set (None
-        where none were compared). The tokens and positions decoded are the same either way."""
-        self.prefill_target(new_tokens, timed, agree)
+        where none were compared): greedy choices that agree, or with `sampled` (rejection sampling's settings)
+        each row's expected acceptance Σ min(p, q) under their transform, summed. The tokens and positions
+        decoded are the same either way."""
+        self.prefill_target(new_tokens, timed, agree, sampled)
         return self.prefill_reader()
 
     def prefill_target(self, new_tokens: list[int], timed: Callable[[int, int], list[tuple[int, int]]] | None = None,
-                       agree: int = 0) -> None:
+                       agree: int = 0, sampled: GenerationSettings | None = None) -> None:
         """prefill's target part: the target holds all but the history's last token when it returns, and a
         generation can take its first token (a plain step) before the reader reads the prompt
         (prefill_reader), so that the draft's side of the prefill stays off the path to the first token."""
@@ -234,7 +242,7 @@ class Session:
             self.reader.agree_rows = None
         try:
             self._rewind()
-            self._pending = self._target_spans(self._spans(timed, agree))
+            self._pending = self._target_spans(self._spans(timed, agree), sampled)
         except BaseException:
             del self.history[-len(new_tokens):]
             self._rewind()
@@ -279,9 +287,10 @@ class Session:
                 spans.insert(i, Span(start, stop - start, agree=True))
         return spans
 
-    def _target_spans(self, spans: list[Span]) -> list[tuple[Span, object]]:
+    def _target_spans(self, spans: list[Span], sampled: GenerationSettings | None) -> list[tuple[Span, object]]:
         """Decode the prompt on the target, each span alone: a timed span's seconds, an agreement span's greedy
-        choices (every row's logits), for the reader's part."""
+        choices (every row's logits) and, with `sampled`, its rows under that transform (AgreeRows), for the
+        reader's part."""
         hist, clock, done = self.history, self.engine.clock, []
         for span in spans:
             pos, n = span.pos, span.n
@@ -289,16 +298,16 @@ class Session:
             t0 = clock()
             self.tgt.extend(hist[pos:pos + n], logits="all" if span.agree or n > 1 else "last")
             t1 = clock()
-            done.append((span, self.tgt.ctx.logits(n).argmax(axis=1) if span.agree else t1 - t0))
+            done.append((span, AgreeRows.of(self.tgt.ctx.logits(n), sampled) if span.agree else t1 - t0))
         self.tgt.extend(hist[len(self.tgt.tokens):len(hist) - 1], logits="none")
         return done
 
-    def _agree_reader(self, pos: int, want) -> None:
-        """Decode history[pos:pos+len(want)] on the reader with every row's logits and count the rows where its
-        greedy choice is the target's (`want`, the target's choices there): teacher-forced greedy acceptance
-        (self.agreement)."""
-        self.reader.before_agreement(pos, len(want))
-        got = self.reader.agreement(pos, want)
+    def _agree_reader(self, pos: int, rows: AgreeRows) -> None:
+        """Decode history[pos:pos+n] on the reader with every row's logits and count the rows where its greedy
+        choice is the target's (rows.want): teacher-forced greedy acceptance (self.agreement); under rejection
+        sampling sum each row's expected acceptance Σ min(p, q) instead."""
+        self.reader.before_agreement(pos, len(rows.want))
+        got = self.reader.agreement(pos, rows.want, rows.expected(self.engine.target.n_vocab))
         if got is not None:
             self.agreement = got
 
@@ -307,3 +316,44 @@ class Session:
         if speculative:
             registry.check(self.engine, settings.drafters)
         return Generation(self, new_tokens, settings, speculative)
+
+
+class AgreeRows(NamedTuple):
+    """The target's side of a prompt agreement: its greedy choices, and under rejection sampling its rows as
+    distributions with the settings that made them (None otherwise)."""
+
+    want: np.ndarray
+    p: list | None
+    sampled: GenerationSettings | None
+
+    @classmethod
+    def of(cls, logits, sampled: GenerationSettings | None) -> "AgreeRows":
+        if sampled is None:
+            return cls(logits.argmax(axis=1), None, None)
+        tf = _transform(sampled)
+        try:
+            return cls(logits.argmax(axis=1), [tf(r) for r in logits], sampled)
+        finally:
+            tf.close()
+
+    def expected(self, n_vocab: int):
+        """None (greedy), or a function of a drafter's logits rows: each row's expected acceptance Σ min(p, q)
+        against the target's (the draft restricted to ids the target has)."""
+        if self.p is None:
+            return None
+        p_rows, sampled = self.p, self.sampled
+
+        def expected(draft_rows) -> list[float]:
+            tf, out = _transform(sampled), []
+            try:
+                for p_row, r in zip(p_rows, draft_rows):
+                    q = restrict(tf(r), n_vocab)
+                    out.append(0.0 if q is None else overlap(q, p_row))
+            finally:
+                tf.close()
+            return out
+        return expected
+
+
+def _transform(s: GenerationSettings) -> Transform:
+    return Transform(s.temp, s.top_k, s.top_p, s.min_p)

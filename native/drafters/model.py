@@ -171,14 +171,16 @@ class ModelDrafter(Drafter):
             # earlier prefill): drop them, or the rows to compare would be missing on the draft's side.
             dft.truncate(dft.sink + pos - dft.offset)
 
-    def agreement(self, pos: int, want: np.ndarray) -> Agreement | None:
+    def agreement(self, pos: int, want: np.ndarray, expected=None) -> Agreement | None:
         """Decode history[pos:pos+len(want)] with every row's logits and count the rows where the greedy choice is
-        the target's (`want`); None where the window moved on (the rows are then decoded plainly)."""
+        the target's (`want`), or with `expected` (a function of the rows' logits: each row's expected acceptance
+        under rejection sampling) sum that; None where the window moved on (the rows are then decoded plainly)."""
         n, dft, hist = len(want), self.memory, self.session.history
         if dft.next_index() != pos:
             dft.extend(hist[dft.next_index():pos + n], logits="none")
             return None
         dft.extend(hist[pos:pos + n], logits="all")
-        ok = dft.ctx.logits(n).argmax(axis=1) == want
+        logits = dft.ctx.logits(n)
+        ok = logits.argmax(axis=1) == want
         self.agree_rows = (pos, want, ok)
-        return agreeing(ok)
+        return agreeing(ok) if expected is None else Agreement(float(sum(expected(logits))), n)
