@@ -85,10 +85,10 @@ def step_all(asks: list[Ask]) -> list[StepResult]:
     for a, d in zip(asks, drafts):
         a.session.tgt.save_checkpoint(n_next=len(d) + 1)  # the verify is one decode; its first token stays
     extend_many([(a.session.tgt, [a.session.history[-1]] + d, "all") for a, d in zip(asks, drafts)])
-    emitted = [a.session._accept(d, q, a.samp) for a, d, q in zip(asks, drafts, dists)]
+    accepted = [a.session._accept(d, q, a.samp) for a, d, q in zip(asks, drafts, dists)]
     verify_s = clock() - t1
-    return [StepResult(e, len(d), t1 - t0, verify_s, p.first_token_s, p.token_s, drafter=n, catchup=p.catchup)
-            for e, d, p, n in zip(emitted, drafts, props, names)]
+    return [StepResult(e, len(d), t1 - t0, verify_s, p.first_token_s, p.token_s, drafter=n, catchup=p.catchup,
+                       acceptance=acc) for (e, acc), d, p, n in zip(accepted, drafts, props, names)]
 
 
 class Batch:

@@ -34,6 +34,18 @@ def new_controller(ses: Session, s: GenerationSettings) -> AdaptiveDraft | Adapt
     return AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio, attention_prior=attention)
 
 
+def reader_window(ses: Session) -> int | None:
+    """The recent tokens the session's reader sees (None: the whole context)."""
+    r = ses.reader
+    return r.window if r is not None else ses.engine.draft_window
+
+
+def window_counts(ses: Session) -> tuple[int, int, int]:
+    """The session's reader's window slides, trials and reverts so far (0s without one)."""
+    r = ses.reader
+    return (r.n_slides, r.trial.n_trials, r.trial.n_reverts) if r is not None else (0, 0, 0)
+
+
 class Generation:
     """Iterate for TokenEvents; `stats` is set when the iteration ends (also on interruption);
     `snapshot()` gives the stats so far while it runs."""
@@ -66,7 +78,7 @@ class Generation:
 
     def _make_stats(self, stop: str, gen_s: float) -> GenerationStats:
         p, s, ctrl, samp = self._p, self.settings, self.controller, self._samp
-        slides, trials, reverts = self._window_counts()
+        slides, trials, reverts = window_counts(self.session)
         return GenerationStats(
             speculative=self.speculative, n_prompt=len(self.new_tokens), n_generated=len(self.tokens),
             n_steps=p.n_steps, n_drafted=p.n_drafted, n_accepted=sum(p.accepted),
@@ -75,7 +87,7 @@ class Generation:
             gen_ms=gen_s * 1e3, decode_ms=(self._decode_s() - p.decode0) * 1e3,
             n_restores=self.session.n_restores - p.restores0, n_rollbacks=self.session.n_rollbacks - p.rollbacks0,
             n_draft_slides=slides - p.slides0,
-            draft_window=self._window() if self.speculative else None,
+            draft_window=reader_window(self.session) if self.speculative else None,
             n_window_trials=trials - p.trials0, n_window_reverts=reverts - p.reverts0,
             stop_reason=stop,
             accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
@@ -122,7 +134,7 @@ class Generation:
             p.plain0, p.probes0 = self.controller.n_plain_steps, self.controller.n_probes
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         p.decode0 = self._decode_s()
-        p.restores0, p.rollbacks0, p.slides0 = ses.n_restores, ses.n_rollbacks, self._window_counts()[0]
+        p.restores0, p.rollbacks0, p.slides0 = ses.n_restores, ses.n_rollbacks, window_counts(self.session)[0]
         p.t_gen0 = self._clock()
 
     def plan(self) -> tuple[int, tuple[str, ...] | None] | None:
@@ -202,7 +214,7 @@ class Generation:
         self.controller = ctrl
         self._reader = ses.reader if ses.reader is not None and ses.reader.name in ses.available_drafters(s) else None
         tp0 = self._clock()
-        p.trials0, p.reverts0 = self._window_counts()[1:]
+        p.trials0, p.reverts0 = window_counts(self.session)[1:]
         greedy_reader = ctrl is not None and self._reader is not None and s.temp <= 0
         # the prompt's rows tell the acceptance where verification has a law for it: greedy, or rejection sampling
         sampled = s if s.accept_mode == "rejection" else None
@@ -317,16 +329,6 @@ class Generation:
                 if tail:
                     self._text.append(tail)
                 self.stats = self._make_stats(stop, gen_s)
-
-    def _window(self) -> int | None:
-        """The recent tokens the reader sees (None: the whole context)."""
-        r = self.session.reader
-        return r.window if r is not None else self.session.engine.draft_window
-
-    def _window_counts(self) -> tuple[int, int, int]:
-        """The reader's window slides, trials and reverts so far (0s without one)."""
-        r = self.session.reader
-        return (r.n_slides, r.trial.n_trials, r.trial.n_reverts) if r is not None else (0, 0, 0)
 
     def _overhead(self) -> float:
         """The draft model's controller's per-step overhead (--drafter auto: the one all drafters share)."""
