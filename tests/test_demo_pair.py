@@ -53,4 +53,8 @@ def test_bare_bench_runs_the_demo_pair(tmp_path):
     assert doc["target"]["path"].endswith("SmolLM2-135M-Instruct.F32.gguf")
     assert doc["draft"]["path"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert doc["summary"]["identical_output"] is True
-    assert doc["summary"]["accept_rate"] > 0.3
+    # draft_max auto decides by what it measures: on a machine loaded by other jobs the draft's timings can make
+    # drafting a loss and the run stays plain (seen on a shared 2-core machine); the demo pair's acceptance at a
+    # fixed draft length is the test above. Where it drafted, the pair is a good one.
+    spec = [r for r in doc["runs"] if r["mode"] == "speculative"]
+    assert spec and all(r["n_drafted"] == 0 or r["accept_rate"] > 0.3 for r in spec)
