@@ -107,7 +107,7 @@ def main() -> None:
               f"TTFT p50 specq/plain {ratios[n]['ttft_p50_vs_plain']:.2f}x", file=sys.stderr, flush=True)
     same = {"prompts": len(texts), "identical": sum(len(v) == 1 for v in texts.values())}
     doc = {"pair": a.pair, "target": target.name, "draft": draft.name, "ctx_per_sequence": CTX,
-           "settings": {k: v for k, v in vars(a).items() if k != "json"}, "machine": platform.machine(),
+           "settings": {k: (Path(v).name if k == "llama_server" else v) for k, v in vars(a).items() if k != "json"}, "machine": platform.machine(),
            "cpus": os.cpu_count(), "load_before": load0, "load_after": os.getloadavg(), "rows": rows,
            "ratios": ratios, "answers": same}
     if a.json:
