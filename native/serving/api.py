@@ -14,6 +14,7 @@ from ...errors import SpecqError, UsageError, check_text
 from ..core.settings import ACCEPT_MODES, DRAFT_MAX_CAP, GenerationSettings
 from ..core.stats import GenerationStats
 from ..drafters.registry import parse_drafter
+from .tools import ToolError, ToolRequest, message_tool_calls, parse_tools
 
 MAX_STOPS = 16  # OpenAI allows 4; llama-server takes any number. A bound keeps the per-token scan cheap.
 # Fields OpenAI defines that this server cannot honour: refused, never silently ignored.
@@ -22,8 +23,6 @@ UNSUPPORTED = {
     "best_of": "only one choice per request (best_of = 1)",
     "logprobs": "log-probabilities are not returned",
     "top_logprobs": "log-probabilities are not returned",
-    "tools": "tool calls are not supported",
-    "tool_choice": "tool calls are not supported",
     "functions": "function calls are not supported",
     "function_call": "function calls are not supported",
     "response_format": "only plain text output (response_format text)",
@@ -34,8 +33,8 @@ UNSUPPORTED = {
     "suffix": "suffix (insertion) is not supported",
 }
 # Values of those fields that ask for nothing beyond the default (null always does), so clients sending defaults work.
-_HARMLESS = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "tools": ([],),
-             "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+_HARMLESS = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "functions": ([],),
+             "function_call": ("none",),
              "response_format": ({"type": "text"},), "logit_bias": ({},), "frequency_penalty": (0,),
              "presence_penalty": (0,), "echo": (False,), "suffix": ("",)}
 
@@ -87,6 +86,8 @@ class ApiRequest:
     overrides: dict  # GenerationSettings fields the request set (temp, top_k, …, seed, draft_max, p_min, accept)
     cache_prompt: bool = True  # reuse the cached prefix of the previous request (llama-server's field)
     speculative: bool = True  # False: draft_max 0, the target alone
+    tools: ToolRequest | None = None  # chat: the tools, tool_choice and parallel_tool_calls asked for
+    template_kwargs: dict | None = None  # chat_template_kwargs: extra variables for the chat template
 
 
 # ==== parsing ======================================================================================
@@ -232,18 +233,61 @@ def parse_content(content: Any, i: int) -> str:
     raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages", "invalid_type")
 
 
+def parse_message(m: Any, i: int) -> dict:
+    """One message for the template: role and content, an assistant's `tool_calls` (content may then be null)
+    and `reasoning_content`, a tool result's `tool_call_id` and `name`. Keys are set only where given
+    (templates test `'tool_calls' in message`)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise bad(f"messages[{i}] must be an object with a string 'role'", "messages", "invalid_type")
+    out = {"role": _text(m["role"], f"messages[{i}].role", "messages"), "content": parse_content(m.get("content"), i)}
+    try:
+        if m.get("tool_calls") and out["role"] == "assistant":
+            out["tool_calls"] = message_tool_calls(m["tool_calls"], i)
+    except ToolError as e:
+        raise bad(str(e), e.param)
+    for key in ("tool_call_id", "name", "reasoning_content"):
+        v = m.get(key)
+        if v is not None:
+            if not isinstance(v, str):
+                raise bad(f"messages[{i}].{key} must be a string (got {json.dumps(v)})", "messages", "invalid_type")
+            out[key] = _text(v, f"messages[{i}].{key}", "messages")
+    return out
+
+
 def parse_messages(body: dict) -> tuple[dict, ...]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list of {\"role\", \"content\"} objects", "messages",
                   "invalid_type" if msgs is not None else "missing_required_parameter")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad(f"messages[{i}] must be an object with a string 'role'", "messages", "invalid_type")
-        out.append({"role": _text(m["role"], f"messages[{i}].role", "messages"),
-                    "content": parse_content(m.get("content"), i)})
-    return tuple(out)
+    return tuple(parse_message(m, i) for i, m in enumerate(msgs))
+
+
+_TEMPLATE_NAMES = {"messages", "tools", "tool_choice", "functions", "function_call", "bos_token", "eos_token",
+                   "add_generation_prompt", "raise_exception", "strftime_now"}  # set by the server
+
+
+def parse_chat_fields(body: dict) -> tuple[ToolRequest | None, dict | None]:
+    """`tools`/`tool_choice`/`parallel_tool_calls` and `chat_template_kwargs` of a chat request."""
+    try:
+        tools = parse_tools(body)
+    except ToolError as e:
+        raise bad(str(e), e.param)
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return tools, None
+    if not isinstance(kw, dict):
+        raise bad("'chat_template_kwargs' must be an object (e.g. {\"enable_thinking\": false})",
+                  "chat_template_kwargs", "invalid_type")
+    for k in kw:
+        if not k.isidentifier() or k in _TEMPLATE_NAMES:
+            raise bad(f"'chat_template_kwargs' cannot set {k!r} (the server sets it, or it is not a name)",
+                      "chat_template_kwargs")
+    return tools, dict(kw)
+
+
+# chat fields: refused on /v1/completions unless they ask for nothing
+_CHAT_ONLY = {"tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
+              "chat_template_kwargs": ({},)}
 
 
 def parse_prompt(body: dict) -> str:
@@ -265,11 +309,17 @@ def parse_request(body: dict, kind: str, limits: Limits) -> ApiRequest:
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
     include_usage = _bool(opts or {}, "include_usage")
+    tools, template_kwargs = parse_chat_fields(body) if kind == "chat" else (None, None)
+    for name in _CHAT_ONLY if kind == "completion" else ():
+        if body.get(name) is not None and body[name] not in _CHAT_ONLY[name]:
+            raise ApiError(400, f"'{name}' is a chat field; send it to /v1/chat/completions",
+                           "unsupported_parameter", param=name)
     return ApiRequest(
         kind=kind, messages=parse_messages(body) if kind == "chat" else None,
         prompt=parse_prompt(body) if kind == "completion" else None, max_tokens=parse_max_tokens(body, limits),
         stream=stream, include_usage=include_usage, stops=parse_stops(body), overrides=parse_sampling(body, limits),
-        cache_prompt=_bool(body, "cache_prompt", default=True), speculative=not _target_alone(body))
+        cache_prompt=_bool(body, "cache_prompt", default=True), speculative=not _target_alone(body), tools=tools,
+        template_kwargs=template_kwargs)
 
 
 def settings_for(req: ApiRequest, defaults: GenerationSettings, seed: int) -> GenerationSettings:
@@ -281,7 +331,8 @@ def settings_for(req: ApiRequest, defaults: GenerationSettings, seed: int) -> Ge
 
 
 # ==== responses ====================================================================================
-FINISH = {"eog": "stop", "stop": "stop", "n_predict": "length", "ctx": "length"}
+FINISH = {"eog": "stop", "stop": "stop", "n_predict": "length", "ctx": "length", "length": "length",
+          "tool_calls": "tool_calls"}
 
 
 @dataclass(frozen=True)
@@ -328,20 +379,27 @@ class ResponseIds:
                 "system_fingerprint": f"specq-{__version__}"}
 
 
-def full_response(ids: ResponseIds, text: str, o: Outcome) -> dict:
-    fr = FINISH.get(o.finish, "stop")
+def full_response(ids: ResponseIds, text: str, o: Outcome, message: dict | None = None,
+                  finish: str | None = None) -> dict:
+    """The whole answer; `message` (chat) replaces the plain one where the answer was read for reasoning and
+    tool calls, `finish` the engine's reason (tool_calls)."""
+    fr = FINISH.get(finish or o.finish, "stop")
     if ids.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": fr}
+        msg = message if message is not None else {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": fr}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr}
     return {**ids.head(False), "choices": [choice], "usage": usage(o)}
 
 
-def chunk(ids: ResponseIds, text: str | None, finish: str | None = None, first: bool = False) -> dict:
-    """One stream chunk: text, or (finish set) the closing chunk with an empty delta."""
+def chunk(ids: ResponseIds, text: str | None, finish: str | None = None, first: bool = False,
+          delta: dict | None = None) -> dict:
+    """One stream chunk: text (or a chat `delta`: reasoning_content, tool_calls), or (finish set) the closing
+    chunk with an empty delta."""
     fr = FINISH.get(finish, "stop") if finish else None
     if ids.kind == "chat":
-        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
+        if delta is None:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fr}
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": fr}

@@ -27,9 +27,12 @@ from ...errors import SpecqError, UsageError
 from ..core.config import EngineConfig
 from ..core.engine import Engine
 from ..core.settings import GenerationSettings
-from .api import (ApiError, ApiRequest, Limits, ResponseIds, chunk, full_response, parse_json, parse_request,
-                  settings_for, sse, usage_chunk)
+from .api import (FINISH, ApiError, ApiRequest, Limits, ResponseIds, chunk, full_response, parse_json,
+                  parse_request, settings_for, sse, usage_chunk)
+from .answer import AnswerPlan, AnswerStream, merge, render_chat
+from .reasoning import think_format
 from .template import TemplateFormatter, load_template
+from .tools import template_family
 from .scheduler import Scheduler
 from .worker import Job, Worker
 
@@ -105,6 +108,8 @@ class ServerState:
         eos_text = tgt.token_text(tgt.eos).decode("utf-8", "replace") if tgt.eos >= 0 else ""
         # A model without a chat template still serves /v1/completions.
         self.formatter = TemplateFormatter(template, self.bos_text, eos_text) if template else None
+        self.family = template_family(template) if template else None  # the tool-call format it writes
+        self.think = think_format(template) if template else None  # a thinking model's markers
         self.limits = Limits(max_tokens=cfg.max_tokens, model_id=model_name, draft=engine.draft is not None,
                              mtp=getattr(engine, "mtp_ctx", None) is not None)
         from .metrics import ServerMetrics
@@ -112,20 +117,18 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.worker = (Scheduler if engine.parallel > 1 else Worker)(engine, self.metrics, cfg.max_queue)
 
-    def prompt_tokens(self, req: ApiRequest) -> list[int]:
-        """The request as tokens: chat through the target's template (as `specq chat` and `bench --chat`),
-        a completion prompt raw with special tokens parsed (as `specq bench`)."""
+    def prompt_tokens(self, req: ApiRequest) -> tuple[list[int], AnswerPlan]:
+        """The request as tokens, and how its answer is read: chat through the target's template (as
+        `specq chat` and `bench --chat`), a completion prompt raw with special tokens parsed (as `specq bench`)."""
         tgt = self.engine.target
+        plan = AnswerPlan()
         if req.kind == "completion":
             tokens = self.engine.tokenize(req.prompt)
         elif self.formatter is None:
             raise ApiError(400, "the model has no chat template, so only /v1/completions works; start the server "
                                 "with --template FILE to enable chat", "no_chat_template")
         else:
-            try:
-                text = self.formatter.render(list(req.messages))
-            except SpecqError as e:
-                raise ApiError(400, str(e), "invalid_messages", param="messages")
+            text, plan = self.render_chat(req)
             tokens = tgt.tokenize(text, add_special=False, parse_special=True)
             if tgt.add_bos and not text.startswith(self.bos_text or "\0"):
                 tokens = [tgt.bos] + tokens
@@ -135,7 +138,10 @@ class ServerState:
             raise ApiError(400, f"the prompt does not fit in the context ({len(tokens)} tokens, ctx "
                                 f"{self.engine.n_ctx}); send a shorter prompt or start the server with a larger --ctx",
                            "context_length_exceeded")
-        return tokens
+        return tokens, plan
+
+    def render_chat(self, req: ApiRequest) -> tuple[str, AnswerPlan]:
+        return render_chat(self.formatter, self.family, self.think, req)
 
     def seed_for(self, req: ApiRequest) -> int:
         return self.cfg.seed if self.cfg.seed is not None else random.SystemRandom().randrange(1 << 32)
@@ -185,18 +191,28 @@ async def _until_disconnect(receive) -> None:
         pass
 
 
-def _event_stream(ids: ResponseIds, req: ApiRequest, events: asyncio.Queue):
-    """Server-sent events: a role chunk (chat), text chunks, the closing chunk, usage if asked, [DONE]."""
+def _event_stream(ids: ResponseIds, req: ApiRequest, events: asyncio.Queue, plan: AnswerPlan):
+    """Server-sent events: a role chunk (chat), text chunks (a chat answer read for reasoning and tool calls:
+    its deltas), the closing chunk, usage if asked, [DONE]."""
+    answer = AnswerStream(plan) if ids.kind == "chat" and not plan.plain else None
 
     async def gen():
         if ids.kind == "chat":
             yield sse(chunk(ids, None, first=True))
         while True:
             kind, value = await events.get()
-            if kind == "text":
+            if kind == "text" and answer is None:
                 yield sse(chunk(ids, value))
+            elif kind == "text":
+                for delta in answer.feed(value):
+                    yield sse(chunk(ids, None, delta=delta))
             elif kind == "done":
-                yield sse(chunk(ids, None, finish=value.finish))
+                finish = value.finish
+                if answer is not None:
+                    for delta in answer.finish():
+                        yield sse(chunk(ids, None, delta=delta))
+                    finish = answer.finish_reason(FINISH.get(finish, "stop"))
+                yield sse(chunk(ids, None, finish=finish))
                 if req.include_usage:
                     yield sse(usage_chunk(ids, value))
                 yield sse("[DONE]")
@@ -300,7 +316,7 @@ class Handlers:
         st = self.state
         body = parse_json(await read_body(request, st.cfg.max_body))
         req = parse_request(body, kind, st.limits)
-        tokens = await run_in_threadpool(st.prompt_tokens, req)
+        tokens, plan = await run_in_threadpool(st.prompt_tokens, req)
         try:
             settings = settings_for(req, st.defaults, st.seed_for(req)).validate()
         except UsageError as e:  # a combination the per-field checks let through (draft_min > draft_max…)
@@ -312,10 +328,10 @@ class Handlers:
         st.worker.submit(job)
         ids = ResponseIds(kind, st.limits.model_id)
         if req.stream:
-            return self.EventStream(_event_stream(ids, req, events), on_disconnect=job.cancel)
-        return await self._collect(request, ids, job, events)
+            return self.EventStream(_event_stream(ids, req, events, plan), on_disconnect=job.cancel)
+        return await self._collect(request, ids, job, events, plan)
 
-    async def _collect(self, request, ids: ResponseIds, job: Job, events: asyncio.Queue):
+    async def _collect(self, request, ids: ResponseIds, job: Job, events: asyncio.Queue, plan: AnswerPlan):
         """Wait for the whole answer; a client that leaves first cancels its generation."""
 
         async def answer():
@@ -341,7 +357,12 @@ class Handlers:
         if task not in done:
             raise ApiError(499, "the client closed the connection", "client_closed")
         text, outcome = task.result()
-        return _json(full_response(ids, text, outcome))
+        if ids.kind != "chat" or plan.plain:
+            return _json(full_response(ids, text, outcome))
+        answer = AnswerStream(plan)
+        message = merge(answer.feed(text) + answer.finish())
+        finish = answer.finish_reason(FINISH.get(outcome.finish, "stop"))
+        return _json(full_response(ids, text, outcome, message, finish))
 
 
 MAX_BUFFERED = 4096  # text events a response may hold unsent; a client that far behind is cancelled

@@ -1,5 +1,6 @@
 """The chat template, shared by `specq serve` and `specq chat`: --template or the model's own, and the
-conversation rendered through llama-cpp-python's sandboxed Jinja2 formatter."""
+conversation rendered through llama-cpp-python's sandboxed Jinja2 formatter (which gives templates
+`raise_exception`, `strftime_now`, `tools` and any extra variables, as Hugging Face's renderer does)."""
 
 from __future__ import annotations
 
@@ -38,11 +39,13 @@ class TemplateFormatter:
         except jinja2.TemplateError as e:
             raise SpecqError(f"the chat template does not parse ({e}); pass a working one with --template")
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None, extra: dict | None = None) -> str:
+        """The prompt text; `tools` and the request's chat_template_kwargs (`extra`) go to the template as
+        variables, as Hugging Face's apply_chat_template passes them."""
         import jinja2
 
         try:
-            return self._fmt(messages=messages).prompt
+            return self._fmt(messages=messages, tools=tools or None, **(extra or {})).prompt
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise SpecqError(f"the chat template refused the conversation ({e}); "
                              "check the roles (some templates need user/assistant turns to alternate)")
