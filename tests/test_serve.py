@@ -258,8 +258,8 @@ def _error(status_body) -> tuple[int, dict]:
     ({"messages": [{"role": "user", "content": "hi"}], "accept": "maybe"}, 400, "invalid_value"),
     ({"messages": [{"role": "user", "content": "the quick brown fox " * 3000}]}, 400, "context_length_exceeded"),
 ], ids=["invalid-json", "not-an-object", "messages-type", "max-tokens-type", "negative-max-tokens", "bool-temp",
-        "over-max-tokens", "unknown-model", "n2", "logprobs", "bad-tool", "tools-no-template", "response-format", "draft-max-negative", "accept",
-        "prompt-too-long"])
+        "over-max-tokens", "unknown-model", "n2", "logprobs", "bad-tool", "tools-no-template", "response-format",
+        "draft-max-negative", "accept", "prompt-too-long"])
 def test_bad_requests_get_an_openai_error(server, body, status, code):
     got, err = _error(http(f"{server.url}/v1/chat/completions", body))
     assert (got, err["code"]) == (status, code), err

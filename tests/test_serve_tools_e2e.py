@@ -1,0 +1,128 @@
+"""Tools and reasoning through a real `specq serve` (a subprocess on a free loopback port) on the demo pair,
+driven by the `openai` client: with Qwen3.5's template (`--template`: tools in the XML call format, thinking
+opened in the prompt) and with SmolLM2's own (no tools)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from serve_proc import ServerProc  # noqa: E402
+
+TEMPLATE = Path(__file__).parent / "data" / "templates" / "Qwen3.5-4B.jinja"
+ARGS = ["--threads", "1", "--max-tokens", "64", "--draft-max", "4"]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather forecast for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+MODEL = "SmolLM2-135M-Instruct.F32"  # the demo target's stem
+ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+
+
+def _server(tmp_path_factory, *extra: str) -> ServerProc:
+    from specq.native.commands.demo import demo_pair
+
+    target, draft = demo_pair()
+    return ServerProc(["--target", str(target), "--draft", str(draft), *ARGS, *extra],
+                      tmp_path_factory.mktemp("serve") / "serve.log")
+
+
+@pytest.fixture(scope="module")
+def qwen_server(tmp_path_factory):
+    srv = _server(tmp_path_factory, "--template", str(TEMPLATE))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def client(srv: ServerProc):
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", timeout=120, max_retries=0)
+
+
+def _merge_stream(stream) -> tuple[dict, str]:
+    """A stream's deltas → (message fields, finish_reason)."""
+    msg: dict = {"content": "", "reasoning_content": "", "tool_calls": []}
+    finish = None
+    for n, chunk in enumerate(stream):
+        assert n < 10_000
+        if not chunk.choices:
+            continue
+        d, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+        msg["content"] += d.content or ""
+        msg["reasoning_content"] += (d.model_extra or {}).get("reasoning_content") or ""
+        for tc in d.tool_calls or ():
+            if tc.index == len(msg["tool_calls"]):
+                msg["tool_calls"].append({"id": tc.id, "name": tc.function.name, "arguments": ""})
+            msg["tool_calls"][tc.index]["arguments"] += tc.function.arguments or ""
+    return msg, finish
+
+
+def test_a_tools_request_is_answered_and_stream_and_whole_agree(qwen_server):
+    c = client(qwen_server)
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=48,
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    whole = c.chat.completions.create(**kw)
+    choice = whole.choices[0]
+    streamed, finish = _merge_stream(c.chat.completions.create(**kw, stream=True))
+    assert finish == choice.finish_reason
+    calls = [{"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
+             for t in choice.message.tool_calls or ()]
+    assert [{**t, "id": None} for t in streamed["tool_calls"]] == [{**t, "id": None} for t in calls]
+    assert streamed["content"] == (choice.message.content or "")
+    if calls:  # parsed: each call's arguments are JSON
+        assert finish == "tool_calls" and all(isinstance(json.loads(t["arguments"]), dict) for t in calls)
+    else:  # left as content
+        assert choice.message.content and finish in ("stop", "length")
+    assert whole.usage.model_extra["speculative"]["n_drafted"] > 0
+
+
+def test_a_thinking_template_returns_the_reasoning_apart(qwen_server):
+    """Qwen3.5's template opens <think> in the prompt: what the model writes first is its reasoning."""
+    c = client(qwen_server)
+    think = c.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=24)
+    reasoning = think.choices[0].message.model_extra.get("reasoning_content")
+    assert reasoning and "<think>" not in reasoning and "</think>" not in (think.choices[0].message.content or "")
+    plain = c.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=24,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert plain.choices[0].message.content and not plain.choices[0].message.model_extra.get("reasoning_content")
+    streamed, _ = _merge_stream(c.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=24,
+                                                          stream=True))
+    assert streamed["reasoning_content"] == reasoning
+
+
+def test_tool_results_are_taken_back_into_the_conversation(qwen_server):
+    c = client(qwen_server)
+    call = {"id": "call_0123456789abcdef01234567", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": call["id"], "content": "Sunny and 24 degrees"}]
+    before = c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=4)
+    after = c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=4)
+    assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # the call and its result reached the prompt
+    assert after.usage.prompt_tokens > before.usage.prompt_tokens + 10
+
+
+def test_bad_tool_choices_are_400s_naming_the_field(qwen_server):
+    c = client(qwen_server)
+    for choice in ({"type": "function", "function": {"name": "get_stock"}}, "required"):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=4)
+        assert e.value.body["param"] == "tool_choice", e.value.body
+
+
+def test_tools_on_a_template_without_tool_support_are_a_400(tmp_path_factory):
+    srv = _server(tmp_path_factory)  # SmolLM2's own template never reads `tools`
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            client(srv).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=4)
+        assert (e.value.body["param"], e.value.body["code"]) == ("tools", "unsupported_parameter")
+        ok = client(srv).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none",
+                                                 max_tokens=4)
+        assert ok.choices[0].message.content is not None
+    finally:
+        srv.stop()
