@@ -61,7 +61,7 @@ def read(plan: AnswerPlan, text: str, pieces: int = 1, seed: int = 0) -> tuple[d
     for cut in cuts + [len(text)]:
         deltas += stream.feed(text[at:cut])
         at = cut
-    deltas += stream.finish()
+    deltas += stream.flush()
     return merge(deltas), stream.finish_reason("stop"), deltas
 
 
@@ -181,7 +181,7 @@ def test_streamed_deltas_assemble_into_the_same_calls_with_valid_json(family):
 def test_a_call_cut_by_max_tokens_is_not_presented_as_finished():
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
     stream = AnswerStream(AnswerPlan("qwen-json", SCHEMAS))
-    deltas = stream.feed(text) + stream.finish()
+    deltas = stream.feed(text) + stream.flush()
     assert stream.n_calls == 1 and stream.finish_reason("stop") == "stop" and stream.finish_reason("length") == "length"
     assert merge(deltas)["tool_calls"][0]["function"]["arguments"] == '{"city": "Par'
 

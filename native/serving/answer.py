@@ -40,7 +40,7 @@ class AnswerStream:
     def feed(self, piece: str) -> list[dict]:
         return self._step(piece, final=False)
 
-    def finish(self) -> list[dict]:
+    def flush(self) -> list[dict]:
         return self._step("", final=True)
 
     def _step(self, piece: str, final: bool) -> list[dict]:
@@ -52,7 +52,7 @@ class AnswerStream:
         if self.tools is not None:
             if final:
                 self.tools.text += piece
-                out += self.tools.finish()
+                out += self.tools.flush()
             else:
                 out += self.tools.feed(piece)
         elif piece:

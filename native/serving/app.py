@@ -209,7 +209,7 @@ def _event_stream(ids: ResponseIds, req: ApiRequest, events: asyncio.Queue, plan
             elif kind == "done":
                 finish = value.finish
                 if answer is not None:
-                    for delta in answer.finish():
+                    for delta in answer.flush():
                         yield sse(chunk(ids, None, delta=delta))
                     finish = answer.finish_reason(FINISH.get(finish, "stop"))
                 yield sse(chunk(ids, None, finish=finish))
@@ -360,7 +360,7 @@ class Handlers:
         if ids.kind != "chat" or plan.plain:
             return _json(full_response(ids, text, outcome))
         answer = AnswerStream(plan)
-        message = merge(answer.feed(text) + answer.finish())
+        message = merge(answer.feed(text) + answer.flush())
         finish = answer.finish_reason(FINISH.get(outcome.finish, "stop"))
         return _json(full_response(ids, text, outcome, message, finish))
 

@@ -244,7 +244,7 @@ class ToolStream:
         self.text += piece
         return self._deltas(final=False)
 
-    def finish(self) -> list[dict]:
+    def flush(self) -> list[dict]:
         return self._deltas(final=True)
 
     def _deltas(self, final: bool) -> list[dict]:
