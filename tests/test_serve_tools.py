@@ -15,7 +15,7 @@ from specq.native.serving.answer import AnswerPlan, AnswerStream, merge, render_
 from specq.native.serving.api import ApiError, Limits, parse_request
 from specq.native.serving.reasoning import ThinkFormat, opens_thinking, split_reasoning, think_format
 from specq.native.serving.template import TemplateFormatter
-from specq.native.serving.toolgrammar import tool_call_grammar
+from specq.native.serving.toolgrammar import marker_tokens, tool_call_grammar, with_thinking
 from specq.native.serving.tools import template_family
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
@@ -301,7 +301,7 @@ def test_a_forced_call_is_refused_until_the_grammar_runs():
 
 # ---- the grammar that forces a call, checked by llguidance ----------------------------------------
 llguidance = pytest.importorskip("llguidance")
-MARKERS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]"]
+MARKERS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<think>", "</think>"]
 
 
 class ByteTokenizer:
@@ -382,3 +382,36 @@ def test_markers_the_vocabulary_lacks_are_spelled_as_text(tokenizer):
     assert accepts(tokenizer, grammar, text) is False  # the text form is tokenized to the special token here
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     assert matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("as_tokens", [True, False], ids=["special-tokens", "text-markers"])
+def test_the_grammar_applies_after_the_thinking(tokenizer, as_tokens):
+    """Reasoning is free up to the end marker (even text that looks like a call); the call is forced after it."""
+    specials = SPECIALS if as_tokens else {}
+    call = tool_call_grammar("qwen-json", TOOLS, specials=specials)
+    opened = with_thinking(call, ThinkFormat(), in_thinking=True, specials=specials)
+    closed = with_thinking(call, ThinkFormat(), in_thinking=False, specials=specials)
+
+    def ok(grammar, text):
+        if as_tokens:
+            return accepts(tokenizer, grammar, text)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    assert ok(opened, "Rome, so get_time <tool_call> maybe.\n</think>\n\n" + CALL)
+    assert not ok(opened, "Rome.\n</think>\n\nIt is noon.")  # the answer must be the call
+    assert not ok(opened, CALL)  # the prompt opened the thinking: it must be closed first
+    assert ok(closed, CALL) and ok(closed, "<think>\nRome.\n</think>\n" + CALL)
+    assert not ok(closed, "Rome.\n</think>\n" + CALL)
+
+
+def test_marker_tokens_are_the_markers_the_vocabulary_holds_whole():
+    vocab = {"<tool_call>": 7}
+
+    def tokenize(text, parse_special):
+        return [vocab[text]] if parse_special and text in vocab else [ord(c) for c in text]
+
+    assert marker_tokens(["<tool_call>", "</tool_call>", "x"], tokenize) == {"<tool_call>": 7}

@@ -6,9 +6,15 @@ end marker (reasoning.ThinkFormat.end)."""
 from __future__ import annotations
 
 import json
-from typing import Mapping, Sequence
+import re
+from typing import Callable, Iterable, Mapping, Sequence
+
+from .reasoning import ThinkFormat
 
 FAMILIES = ("qwen-json", "qwen-xml", "llama3", "mistral", "mistral-args")
+# the markers each family's grammar writes (their token ids go in `specials` where the vocabulary has them)
+GRAMMAR_MARKERS = {"qwen-json": ("<tool_call>", "</tool_call>"), "qwen-xml": ("<tool_call>", "</tool_call>"),
+                   "llama3": (), "mistral": ("[TOOL_CALLS]",), "mistral-args": ("[TOOL_CALLS]", "[ARGS]")}
 EMPTY_PARAMS = {"type": "object", "properties": {}}
 
 
@@ -107,3 +113,31 @@ def tool_call_grammar(family: str, tools: Sequence[dict], name: str | None = Non
     if family not in _BUILDERS:
         raise ValueError(f"no tool-call grammar for the family {family!r} (known: {', '.join(FAMILIES)})")
     return _BUILDERS[family](_pick(tools, name), parallel, specials or {})
+
+
+def with_thinking(grammar: str, think: ThinkFormat, in_thinking: bool,
+                  specials: Mapping[str, int] | None = None) -> str:
+    """`grammar` (Lark with a `start` rule) applied to the answer after a thinking model's reasoning: the
+    reasoning is free text up to `think.end`; where the prompt did not leave the model inside it
+    (`in_thinking` False), the reasoning is optional and begins with `think.start`."""
+    sp = specials or {}
+    answer = re.sub(r"^start:", "answer:", grammar, count=1, flags=re.M)
+    if think.end in sp:
+        reasoning = f"thought {_lit(think.end, sp)}\nthought: <[^{sp[think.end]}]>*\n"  # any token but the end
+    else:  # lazy: the reasoning ends at the first end marker
+        reasoning = "thought\nthought[lazy]: /(?s:.*)" + re.escape(think.end).replace("/", "\\/") + "/\n"
+    head = "reasoning /[ \\t\\r\\n]*/"
+    start = (f"start: {head} answer\n" if in_thinking
+             else f"start: ({_lit(think.start, sp)} {head})? answer\n")
+    return start + f"reasoning: {reasoning}" + answer
+
+
+def marker_tokens(markers: Iterable[str], tokenize: Callable[[str, bool], list[int]]) -> dict[str, int]:
+    """The markers the model's vocabulary holds as one special token, by id: `tokenize(text, parse_special)`
+    gives one token with special tokens parsed and something else without (for `specials` above)."""
+    out = {}
+    for m in markers:
+        ids = tokenize(m, True)
+        if len(ids) == 1 and tokenize(m, False) != ids:
+            out[m] = ids[0]
+    return out
