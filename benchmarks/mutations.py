@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_exactness.py", "tests/test_rejection.py", "tests/test_engine.py", "tests/test_accept.py",
          "tests/test_tinyqwen35.py", "tests/test_hybrid.py", "tests/test_swa.py", "tests/test_mtp.py",
-         "tests/test_counts.py", "tests/test_parallel.py"]
+         "tests/test_counts.py", "tests/test_parallel.py", "tests/test_logprobs.py"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,10 @@ MUTANTS = [
     Mutant("mtp-own-state", "a drafted token fed to the MTP head with the trunk's last row, not the head's own "
                             "output state",
            (("native/drafters/mtp.py", "        h = self.ctx.hidden()", "        h = self.rows.rows[-1].copy()"),)),
+    Mutant("logprobs-after-temperature", "logprobs reported from the tempered distribution, not the raw logits",
+           (("native/core/logprobs.py", "    x = row.astype(np.float64)\n", "    x = row.astype(np.float64) / 1.5\n"),)),
+    Mutant("logprobs-row-shift", "a token's logprobs read from the row after the one that chose it",
+           (("native/core/logprobs.py", "zip(rows, emitted)", "zip(np.roll(rows, -1, axis=0), emitted)"),)),
 ]
 
 

@@ -126,3 +126,14 @@ def test_tools_on_a_template_without_tool_support_are_a_400(tmp_path_factory):
         assert ok.choices[0].message.content is not None
     finally:
         srv.stop()
+
+
+def test_logprobs_of_a_read_answer_all_arrive_when_streamed(qwen_server):
+    """The deltas of a thinking answer do not line up with the text chunks: each token's entry still comes."""
+    c = client(qwen_server)
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=24, logprobs=True)
+    whole = c.chat.completions.create(**kw)
+    entries = [e for ch in c.chat.completions.create(**kw, stream=True) if ch.choices and ch.choices[0].logprobs
+               for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in entries] == [e.token for e in whole.choices[0].logprobs.content]
+    assert entries and len(entries) >= whole.usage.completion_tokens - 1  # an end of generation has none

@@ -86,9 +86,11 @@ def step_all(asks: list[Ask]) -> list[StepResult]:
         a.session.tgt.save_checkpoint(n_next=len(d) + 1)  # the verify is one decode; its first token stays
     extend_many([(a.session.tgt, [a.session.history[-1]] + d, "all") for a, d in zip(asks, drafts)])
     accepted = [a.session._accept(d, q, a.samp) for a, d, q in zip(asks, drafts, dists)]
+    logprobs = [a.session.logprobs_of(e, a.settings) for a, (e, _) in zip(asks, accepted)]
     verify_s = clock() - t1
     return [StepResult(e, len(d), t1 - t0, verify_s, p.first_token_s, p.token_s, drafter=n, catchup=p.catchup,
-                       acceptance=acc) for (e, acc), d, p, n in zip(accepted, drafts, props, names)]
+                       acceptance=acc, logprobs=lp)
+            for (e, acc), d, p, n, lp in zip(accepted, drafts, props, names, logprobs)]
 
 
 class Batch:

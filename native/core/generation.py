@@ -287,7 +287,9 @@ class Generation:
             is_eog = eng.target.is_eog(tok)
             piece = "" if is_eog else utf8.decode(eng.target.piece(tok))
             self._text.append(piece)
-            events.append(TokenEvent(tok, piece, i < len(step.emitted) - 1, p.n_steps - 1))
+            lp = step.logprobs[i] if step.logprobs is not None else None
+            events.append(TokenEvent(tok, piece, i < len(step.emitted) - 1, p.n_steps - 1,
+                                     *((lp.logprob, lp.top) if lp is not None else ())))
             if is_eog:
                 return events, "eog"
             if remaining is not None and len(self.tokens) >= self.settings.n_predict:

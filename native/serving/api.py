@@ -14,6 +14,7 @@ from ...errors import SpecqError, UsageError, check_text
 from ..core.settings import ACCEPT_MODES, DRAFT_MAX_CAP, GenerationSettings
 from ..core.stats import GenerationStats
 from ..drafters.registry import parse_drafter
+from .logprob_wire import parse_logprobs, wire
 from .tools import ToolError, ToolRequest, message_tool_calls, parse_tools
 
 MAX_STOPS = 16  # OpenAI allows 4; llama-server takes any number. A bound keeps the per-token scan cheap.
@@ -21,8 +22,6 @@ MAX_STOPS = 16  # OpenAI allows 4; llama-server takes any number. A bound keeps 
 UNSUPPORTED = {
     "n": "only one choice per request (n = 1)",
     "best_of": "only one choice per request (best_of = 1)",
-    "logprobs": "log-probabilities are not returned",
-    "top_logprobs": "log-probabilities are not returned",
     "functions": "function calls are not supported",
     "function_call": "function calls are not supported",
     "response_format": "only plain text output (response_format text)",
@@ -33,8 +32,7 @@ UNSUPPORTED = {
     "suffix": "suffix (insertion) is not supported",
 }
 # Values of those fields that ask for nothing beyond the default (null always does), so clients sending defaults work.
-_HARMLESS = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "functions": ([],),
-             "function_call": ("none",),
+_HARMLESS = {"n": (1,), "best_of": (1,), "functions": ([],), "function_call": ("none",),
              "response_format": ({"type": "text"},), "logit_bias": ({},), "frequency_penalty": (0,),
              "presence_penalty": (0,), "echo": (False,), "suffix": ("",)}
 
@@ -317,7 +315,8 @@ def parse_request(body: dict, kind: str, limits: Limits) -> ApiRequest:
     return ApiRequest(
         kind=kind, messages=parse_messages(body) if kind == "chat" else None,
         prompt=parse_prompt(body) if kind == "completion" else None, max_tokens=parse_max_tokens(body, limits),
-        stream=stream, include_usage=include_usage, stops=parse_stops(body), overrides=parse_sampling(body, limits),
+        stream=stream, include_usage=include_usage, stops=parse_stops(body),
+        overrides={**parse_sampling(body, limits), "logprobs": parse_logprobs(body, kind, bad)},
         cache_prompt=_bool(body, "cache_prompt", default=True), speculative=not _target_alone(body), tools=tools,
         template_kwargs=template_kwargs)
 
@@ -379,30 +378,32 @@ class ResponseIds:
                 "system_fingerprint": f"specq-{__version__}"}
 
 
-def full_response(ids: ResponseIds, text: str, o: Outcome, message: dict | None = None,
-                  finish: str | None = None) -> dict:
+def full_response(ids: ResponseIds, text: str, o: Outcome, logprobs: list[dict] | None = None,
+                  message: dict | None = None, finish: str | None = None) -> dict:
     """The whole answer; `message` (chat) replaces the plain one where the answer was read for reasoning and
     tool calls, `finish` the engine's reason (tool_calls)."""
     fr = FINISH.get(finish or o.finish, "stop")
+    lp = None if logprobs is None else wire(ids.kind, logprobs)
     if ids.kind == "chat":
         msg = message if message is not None else {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": fr}
+        choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": fr}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr}
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": fr}
     return {**ids.head(False), "choices": [choice], "usage": usage(o)}
 
 
 def chunk(ids: ResponseIds, text: str | None, finish: str | None = None, first: bool = False,
-          delta: dict | None = None) -> dict:
-    """One stream chunk: text (or a chat `delta`: reasoning_content, tool_calls), or (finish set) the closing
-    chunk with an empty delta."""
+          logprobs: list[dict] | None = None, offset: int = 0, delta: dict | None = None) -> dict:
+    """One stream chunk: text (and the logprobs of the tokens it completes, `offset` the characters sent before;
+    or a chat `delta`: reasoning_content, tool_calls), or (finish set) the closing chunk with an empty delta."""
     fr = FINISH.get(finish, "stop") if finish else None
+    lp = None if logprobs is None else wire(ids.kind, logprobs, offset)
     if ids.kind == "chat":
         if delta is None:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fr}
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": fr}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": fr}
+        choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": fr}
     return {**ids.head(True), "choices": [choice]}
 
 

@@ -199,19 +199,28 @@ def _event_stream(ids: ResponseIds, req: ApiRequest, events: asyncio.Queue, plan
     async def gen():
         if ids.kind == "chat":
             yield sse(chunk(ids, None, first=True))
+        held: list[dict] | None = None  # logprobs entries of tokens whose text has not gone out yet
+        sent = 0
         while True:
             kind, value = await events.get()
-            if kind == "text" and answer is None:
-                yield sse(chunk(ids, value))
+            if kind == "logprobs":
+                held = (held or []) + [value]
+            elif kind == "text" and answer is None:
+                yield sse(chunk(ids, value, logprobs=held, offset=sent))
+                held, sent = None, sent + len(value)
             elif kind == "text":
-                for delta in answer.feed(value):
-                    yield sse(chunk(ids, None, delta=delta))
+                for delta in answer.feed(value):  # logprobs ride on the first delta after their tokens
+                    yield sse(chunk(ids, None, logprobs=held, delta=delta))
+                    held = None
             elif kind == "done":
                 finish = value.finish
                 if answer is not None:
                     for delta in answer.flush():
-                        yield sse(chunk(ids, None, delta=delta))
+                        yield sse(chunk(ids, None, logprobs=held, delta=delta))
+                        held = None
                     finish = answer.finish_reason(FINISH.get(finish, "stop"))
+                if held:
+                    yield sse(chunk(ids, "" if ids.kind == "completion" else None, logprobs=held, offset=sent))
                 yield sse(chunk(ids, None, finish=finish))
                 if req.include_usage:
                     yield sse(usage_chunk(ids, value))
@@ -335,13 +344,15 @@ class Handlers:
         """Wait for the whole answer; a client that leaves first cancels its generation."""
 
         async def answer():
-            parts = []
+            parts, entries = [], []
             while True:
                 kind, value = await events.get()
                 if kind == "text":
                     parts.append(value)
+                elif kind == "logprobs":
+                    entries.append(value)
                 elif kind == "done":
-                    return "".join(parts), value
+                    return "".join(parts), value, entries
                 else:
                     raise value
 
@@ -356,13 +367,14 @@ class Handlers:
             gone.cancel()
         if task not in done:
             raise ApiError(499, "the client closed the connection", "client_closed")
-        text, outcome = task.result()
+        text, outcome, entries = task.result()
+        logprobs = entries if job.settings.logprobs is not None else None
         if ids.kind != "chat" or plan.plain:
-            return _json(full_response(ids, text, outcome))
+            return _json(full_response(ids, text, outcome, logprobs))
         answer = AnswerStream(plan)
         message = merge(answer.feed(text) + answer.flush())
         finish = answer.finish_reason(FINISH.get(outcome.finish, "stop"))
-        return _json(full_response(ids, text, outcome, message, finish))
+        return _json(full_response(ids, text, outcome, logprobs, message, finish))
 
 
 MAX_BUFFERED = 4096  # text events a response may hold unsent; a client that far behind is cancelled

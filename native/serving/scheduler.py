@@ -24,7 +24,7 @@ from ..core.batch import Batch
 from ..core.memory import common_prefix
 from ..drafters.registry import drafts_without_model
 from .api import ApiError, Outcome
-from .worker import Job, StopMatcher, Worker, final_outcome, reused_prefix
+from .worker import Job, StopMatcher, Worker, emit_logprobs, final_outcome, reused_prefix
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -154,6 +154,7 @@ class Scheduler(Worker):
             run = by_gen[id(gen)]
             for j, ev in enumerate(events):
                 run.n_kept += 1
+                emit_logprobs(run.job, ev, self.engine.target)
                 run.sent_chars += len(ev.text)
                 out = run.matcher.feed(ev.text)
                 if out:
