@@ -73,6 +73,10 @@ class Generation:
         return self._samp
 
     @property
+    def n_steps(self) -> int:
+        return self._p.n_steps
+
+    @property
     def text(self) -> str:
         return "".join(self._text)
 
@@ -274,7 +278,7 @@ class Generation:
             ctrl.observe(StepOutcome(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
                                      self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s,
                                      step.first_token_s, step.catchup, drafter=step.drafter,
-                                     acceptance=step.acceptance))
+                                     acceptance=step.acceptance, shared=step.shared))
         self._settle_window(finished=False)
 
     def _emit(self, step: StepResult, utf8, remaining: int | None) -> tuple[list[TokenEvent], str | None]:

@@ -36,6 +36,7 @@ class StepResult:
     # rejection sampling: per drafted position (reach, expected acceptance), accept.expected_acceptance
     acceptance: tuple[tuple[float, float], ...] | None = None
     logprobs: list[TokenLogprob] | None = None  # per emitted token, where the settings ask (core/logprobs.py)
+    shared: bool = False  # the step's decodes carried other sequences too (its times are the batch's)
 
 
 @dataclass(frozen=True)
