@@ -15,7 +15,7 @@ from specq.native.serving.answer import AnswerPlan, AnswerStream, merge, render_
 from specq.native.serving.api import ApiError, Limits, parse_request
 from specq.native.serving.reasoning import ThinkFormat, opens_thinking, split_reasoning, think_format
 from specq.native.serving.template import TemplateFormatter
-from specq.native.serving.toolgrammar import marker_tokens, tool_call_grammar, with_thinking
+from specq.native.serving.toolgrammar import forced_call_grammar, marker_tokens, tool_call_grammar, with_thinking
 from specq.native.serving.tools import template_family
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
@@ -415,3 +415,15 @@ def test_marker_tokens_are_the_markers_the_vocabulary_holds_whole():
         return [vocab[text]] if parse_special and text in vocab else [ord(c) for c in text]
 
     assert marker_tokens(["<tool_call>", "</tool_call>", "x"], tokenize) == {"<tool_call>": 7}
+
+
+def test_the_forced_grammar_of_a_thinking_qwen35_request(tokenizer):
+    """What a `tool_choice: required` request on Qwen3.5's template (XML calls, thinking opened) is held to."""
+    prompt, plan = render_chat(formatter("Qwen3.5-4B"), "qwen-xml", ThinkFormat(), chat_request(
+        [{"role": "user", "content": "Time in Rome?"}], tools=TOOLS))
+    grammar = forced_call_grammar(plan.family, TOOLS, None, plan.parallel, plan.think, plan.in_thinking, SPECIALS)
+    call = "<tool_call>\n<function=get_time>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>"
+    assert accepts(tokenizer, grammar, "Rome is in Italy.\n</think>\n\n" + call)
+    assert not accepts(tokenizer, grammar, "Rome is in Italy.\n</think>\n\nIt is noon.")
+    message, finish, _ = read(plan, "Rome is in Italy.\n</think>\n\n" + call)
+    assert calls_of(message) == [("get_time", {"city": "Rome"})] and finish == "tool_calls"

@@ -141,3 +141,13 @@ def marker_tokens(markers: Iterable[str], tokenize: Callable[[str, bool], list[i
         if len(ids) == 1 and tokenize(m, False) != ids:
             out[m] = ids[0]
     return out
+
+
+def forced_call_grammar(family: str, tools: Sequence[dict], name: str | None, parallel: bool,
+                        think: ThinkFormat | None = None, in_thinking: bool = False,
+                        specials: Mapping[str, int] | None = None) -> str:
+    """The whole answer's grammar for `tool_choice` "required" (name None) or a named function: the call
+    grammar, after the reasoning where the template thinks. `specials`: marker_tokens(GRAMMAR_MARKERS[family]
+    + the thinking markers, the target's tokenize)."""
+    grammar = tool_call_grammar(family, tools, name, parallel, specials)
+    return with_thinking(grammar, think, in_thinking, specials) if think is not None else grammar

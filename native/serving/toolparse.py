@@ -93,6 +93,7 @@ def _qwen_json(text: str, pos: int, schemas: dict) -> tuple[list[Call], int | No
 
 _FUNC = re.compile(r"\s*<function=([^>\n]*)>\s*")
 _PARAM = re.compile(r"\s*<parameter=([^>\n]*)>\n?")
+_FUNC_END = re.compile(r"\s*</function>\s*")
 
 
 def xml_value(raw: str, schema: dict) -> str:
@@ -108,7 +109,7 @@ def xml_value(raw: str, schema: dict) -> str:
 
 def _qwen_xml(text: str, pos: int, schemas: dict) -> tuple[list[Call], int | None]:
     m = _FUNC.match(text, pos + len("<tool_call>"))
-    if m is None or not text[m.end(1):].startswith(">"):
+    if m is None:
         return [], None
     name = m.group(1)
     props = (schemas.get(name) or {}).get("properties") or {}
@@ -120,12 +121,12 @@ def _qwen_xml(text: str, pos: int, schemas: dict) -> tuple[list[Call], int | Non
         parts.append(f"{json.dumps(p.group(1))}: {xml_value(text[p.end():close], props.get(p.group(1), {}))}")
         at = close + len("</parameter>")
     call = Call(name, "{" + ", ".join(parts))
-    fn_end = re.compile(r"\s*</function>\s*").match(text, at)
+    fn_end = _FUNC_END.match(text, at)
     if fn_end is None:
         return [call], None
     call.args, call.done = call.args + "}", True
-    close = re.compile(r"</tool_call>").match(text, fn_end.end())
-    return [call], close.end() if close else fn_end.end()
+    close = text.startswith("</tool_call>", fn_end.end())
+    return [call], fn_end.end() + (len("</tool_call>") if close else 0)
 
 
 def _mistral(text: str, pos: int, schemas: dict) -> tuple[list[Call], int | None]:
