@@ -75,8 +75,9 @@ def test_each_family_is_told_from_its_template(name):
     assert template_family(template(name)) == FAMILY_TEMPLATES[name][0]
 
 
-@pytest.mark.parametrize("name", ["google-gemma-2-2b-it", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"])
+@pytest.mark.parametrize("name", ["google-gemma-2-2b-it", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "GLM-4.6"])
 def test_a_template_without_tools_has_no_family_and_a_tools_request_is_a_400(name):
+    """Gemma's and R1-Distill's never read `tools`; GLM's writes <tool_call> in a format of its own (arg_key)."""
     assert template_family(template(name)) is None
     req = chat_request([{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS)
     with pytest.raises(ApiError) as e:

@@ -14,14 +14,15 @@ from typing import Any
 NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI: letters, digits, underscores and dashes, at most 64
 CHOICES = ("auto", "none", "required")
 
-# The tool-call formats specq parses, told from the template's text (first match wins: Qwen3.5's and
-# Qwen3-Coder's templates also name <tool_call>, so the XML form is looked for first).
+# The tool-call formats specq parses, told from the template's text: (family, needles all present, needles none
+# of which may be). First match wins: Qwen3.5's and Qwen3-Coder's templates also name <tool_call>, so the XML
+# form is looked for first; GLM's <arg_key>, MiniMax's <invoke> and Apriel's <tool_calls> lists are other formats.
 FAMILIES = (
-    ("qwen-xml", ("<tool_call>", "<function=", "<parameter=")),  # Qwen3-Coder, Qwen3.5/3.6
-    ("qwen-json", ("<tool_call>",)),  # Qwen2.5, Qwen3, QwQ, Hermes: <tool_call>{"name", "arguments"}</tool_call>
-    ("mistral-args", ("[TOOL_CALLS]", "[ARGS]")),  # Mistral Small 3.2, Devstral, Ministral 3: name[ARGS]{...}
-    ("mistral", ("[TOOL_CALLS]",)),  # Mistral Nemo: [TOOL_CALLS][{"name", "arguments", "id"}]
-    ("llama3", ("<|start_header_id|>", '"parameters"')),  # Llama 3.1-3.3: {"name", "parameters"}
+    ("qwen-xml", ("<tool_call>", "<function=", "<parameter="), ()),  # Qwen3-Coder, Qwen3.5/3.6
+    ("qwen-json", ("<tool_call>",), ("arg_key", "<invoke", "<tool_calls>")),  # Qwen2.5/3, QwQ, Hermes, Granite 4
+    ("mistral-args", ("[TOOL_CALLS]", "[ARGS]"), ()),  # Mistral Small 3.2, Devstral, Ministral 3: name[ARGS]{...}
+    ("mistral", ("[TOOL_CALLS]",), ()),  # Mistral Nemo: [TOOL_CALLS][{"name", "arguments", "id"}]
+    ("llama3", ("<|start_header_id|>", '"parameters"'), ()),  # Llama 3.1-3.3: {"name", "parameters"}
 )
 _READS_TOOLS = re.compile(r"\btools\b")
 
@@ -39,8 +40,8 @@ def template_family(template: str) -> str | None:
     specq parses (Gemma's, for one)."""
     if not _READS_TOOLS.search(template):
         return None
-    for name, needles in FAMILIES:
-        if all(n in template for n in needles):
+    for name, needles, other in FAMILIES:
+        if all(n in template for n in needles) and not any(n in template for n in other):
             return name
     return None
 
