@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specq.native.serving.answer import AnswerPlan, AnswerStream, merge, render_chat
+from specq.native.serving.answer import AnswerPlan, AnswerStream, call_grammar, merge, render_chat
 from specq.native.serving.api import ApiError, Limits, parse_request
 from specq.native.serving.reasoning import ThinkFormat, opens_thinking, split_reasoning, think_format
 from specq.native.serving.template import TemplateFormatter
@@ -293,11 +293,26 @@ def test_tool_fields_on_completions_are_refused():
     assert e.value.param == "tools"
 
 
-def test_a_forced_call_is_refused_until_the_grammar_runs():
-    req = chat_request([{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice="required")
-    with pytest.raises(ApiError) as e:
-        render_chat(formatter("Qwen-Qwen3-0.6B"), "qwen-json", None, req)
-    assert e.value.param == "tool_choice"
+@pytest.mark.parametrize("kwargs, after", [(None, "</think>"), ({"enable_thinking": False}, None)])
+def test_a_forced_call_waits_for_the_end_of_an_opened_thinking(kwargs, after):
+    """Qwen3.5's prompt opens the thinking: the call grammar starts after </think>; with thinking off the
+    prompt closes it and the grammar holds the answer from its first token."""
+    req = chat_request([{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice="required",
+                       chat_template_kwargs=kwargs)
+    _, plan = render_chat(formatter("Qwen3.5-4B"), "qwen-xml", ThinkFormat(), req)
+    assert plan.forced is req.tools and plan.forced.choice == "required"
+    grammar, start = call_grammar(plan, lambda text, special: [ord(c) for c in text])
+    assert start == after and "reasoning" not in grammar and grammar.startswith("start: call")
+
+
+def test_a_forced_call_on_a_model_that_may_think_first():
+    """Qwen3's prompt leaves the choice to the model: the grammar lets a thinking part come first."""
+    req = chat_request([{"role": "user", "content": "hi"}], tools=TOOLS,
+                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    _, plan = render_chat(formatter("Qwen-Qwen3-0.6B"), "qwen-json", ThinkFormat(), req)
+    grammar, start = call_grammar(plan, lambda text, special: [1] if special and text == "</think>" else [2, 3])
+    assert start is None and grammar.startswith('start: ("<think>" reasoning') and "<[1]>" in grammar
+    assert "get_weather" not in grammar and "get_time" in grammar
 
 
 # ---- the grammar that forces a call, checked by llguidance ----------------------------------------

@@ -10,8 +10,9 @@ from ...errors import SpecqError
 from .api import ApiError, ApiRequest
 from .reasoning import ReasoningStream, ThinkFormat, opens_thinking
 from .template import TemplateFormatter
+from .toolgrammar import GRAMMAR_MARKERS, forced_call_grammar, marker_tokens, tool_call_grammar
 from .toolparse import ToolStream
-from .tools import for_family, new_call_id
+from .tools import ToolRequest, for_family, new_call_id
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class AnswerPlan:
     parallel: bool = True
     think: ThinkFormat | None = None  # the thinking markers (None: no reasoning split)
     in_thinking: bool = False  # the prompt left the model inside its thinking
+    forced: ToolRequest | None = None  # tool_choice required or a named function: a grammar holds the answer
 
     @property
     def plain(self) -> bool:
@@ -101,16 +103,28 @@ def render_chat(formatter: TemplateFormatter, family: str | None, think: ThinkFo
                             "<tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS]) and this model's template has none; "
                             "send no tools, or start the server with --template FILE", "unsupported_parameter",
                        param="tools")
-    if tr is not None and tr.forced:
-        # Where toolgrammar.tool_call_grammar is to be wired into the generation; until then, refused.
-        raise ApiError(400, f"'tool_choice' {tr.choice if tr.name is None else repr(tr.name)} needs grammar-"
-                            "constrained decoding, which this server does not run yet; use \"auto\"",
-                       "unsupported_parameter", param="tool_choice")
     try:
         text = formatter.render(for_family(list(req.messages), family), list(tr.tools) if tr else None,
                                 req.template_kwargs)
     except SpecqError as e:
         raise ApiError(400, str(e), "invalid_messages", param="messages")
+    if think is not None and text.rstrip().endswith(think.end):
+        think = None  # the prompt closed the thinking (enable_thinking false): the model answers at once
     return text, AnswerPlan(family=family if tr else None, schemas=tr.schemas() if tr else {},
                             parallel=tr.parallel if tr else True, think=think,
-                            in_thinking=think is not None and opens_thinking(text, think))
+                            in_thinking=think is not None and opens_thinking(text, think),
+                            forced=tr if tr is not None and tr.forced else None)
+
+
+def call_grammar(plan: AnswerPlan, tokenize: Callable[[str, bool], list[int]]) -> tuple[str, str | None]:
+    """A forced call's grammar (Lark) and the marker after which it applies (None: from the first token):
+    where the prompt opened the thinking, the grammar waits for its end; where the model may think first, the
+    grammar lets it. `tokenize(text, parse_special)` is the target's: markers it holds as one special token
+    are asked for as that token."""
+    tr = plan.forced
+    think = plan.think
+    markers = GRAMMAR_MARKERS[plan.family] + ((think.start, think.end) if think else ())
+    specials = marker_tokens(markers, tokenize)
+    if think is not None and plan.in_thinking:
+        return tool_call_grammar(plan.family, tr.tools, tr.name, tr.parallel, specials), think.end
+    return forced_call_grammar(plan.family, tr.tools, tr.name, tr.parallel, think, False, specials), None

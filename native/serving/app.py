@@ -129,6 +129,10 @@ class ServerState:
                                 "with --template FILE to enable chat", "no_chat_template")
         else:
             text, plan = self.render_chat(req)
+            if plan.forced is not None:  # to be wired: answer.call_grammar → a Constraint (#34)
+                raise ApiError(400, f"'tool_choice' {plan.forced.name or plan.forced.choice!r} needs grammar-"
+                                    "constrained decoding, which this server does not run yet; use \"auto\"",
+                               "unsupported_parameter", param="tool_choice")
             tokens = tgt.tokenize(text, add_special=False, parse_special=True)
             if tgt.add_bos and not text.startswith(self.bos_text or "\0"):
                 tokens = [tgt.bos] + tokens

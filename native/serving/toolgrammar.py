@@ -66,7 +66,10 @@ def _qwen_xml(tools: list[dict], parallel: bool, sp: Mapping[str, int]) -> str:
             rule = f"p_{i}_{j}"
             parts.append(rule if k in required else f"{rule}?")
             head = f'{rule}: {json.dumps(f"<parameter={k}>")} "\\n" '
-            if ps.get("type") == "string" or not ps:  # text up to the first closing tag (lazy)
+            if ps.get("type") == "string" and ps.get("enum"):  # one of the values, as text
+                values = " | ".join(json.dumps(str(v)) for v in ps["enum"])
+                lines.append(f'{head}v_{i}_{j} "\\n</parameter>\\n"\nv_{i}_{j}: {values}\n')
+            elif ps.get("type") == "string" or not ps:  # text up to the first closing tag (lazy)
                 lines.append(f'{head}v_{i}_{j} "\\n"\nv_{i}_{j}[lazy]: /(?s:.*)\\n<\\/parameter>/\n')
             else:
                 lines.append(f'{head}j_{i}_{j} "\\n</parameter>\\n"\nj_{i}_{j}: %json {json.dumps(ps)}\n')
