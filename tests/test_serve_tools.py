@@ -443,3 +443,14 @@ def test_the_forced_grammar_of_a_thinking_qwen35_request(tokenizer):
     assert not accepts(tokenizer, grammar, "Rome is in Italy.\n</think>\n\nIt is noon.")
     message, finish, _ = read(plan, "Rome is in Italy.\n</think>\n\n" + call)
     assert calls_of(message) == [("get_time", {"city": "Rome"})] and finish == "tool_calls"
+
+
+def test_a_long_xml_string_argument_streams_as_the_model_writes_it():
+    """Qwen3-Coder and Qwen3.5 write a file's text as a <parameter>: it streams, newlines and quotes in it
+    kept, the newline before the closing tag not."""
+    body = 'def f():\n    return "x"\n\n# end'
+    text = f"<tool_call>\n<function=get_time>\n<parameter=city>\n{body}\n</parameter>\n</function>\n</tool_call>"
+    message, finish, deltas = read(AnswerPlan("qwen-xml", SCHEMAS), text, pieces=len(text))
+    assert calls_of(message) == [("get_time", {"city": body})] and finish == "tool_calls"
+    fragments = [d["tool_calls"][0]["function"]["arguments"] for d in deltas if "id" not in d["tool_calls"][0]]
+    assert len(fragments) > len(body) // 2, fragments

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .reasoning import partial_suffix
 from .tools import new_call_id
 
 MARKERS = {"qwen-json": ("<tool_call>",), "qwen-xml": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
@@ -116,7 +117,12 @@ def _qwen_xml(text: str, pos: int, schemas: dict) -> tuple[list[Call], int | Non
     at, parts = m.end(), []
     while (p := _PARAM.match(text, at)) is not None:
         close = text.find("</parameter>", p.end())
-        if close < 0:
+        if close < 0:  # a string value streams as it comes (less what may be its closing tag)
+            key, schema = p.group(1), props.get(p.group(1), {})
+            if schema.get("type") == "string":
+                raw = text[p.end():]
+                raw = raw[:len(raw) - partial_suffix(raw, "\n</parameter>")]
+                return [Call(name, "{" + ", ".join(parts + [f"{json.dumps(key)}: {json.dumps(raw)[:-1]}"]))], None
             break
         parts.append(f"{json.dumps(p.group(1))}: {xml_value(text[p.end():close], props.get(p.group(1), {}))}")
         at = close + len("</parameter>")
