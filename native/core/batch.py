@@ -105,10 +105,14 @@ def _length_controller(g: Generation, drafter: str | None) -> AdaptiveDraft | No
 
 
 def wish(g: Generation, plan: tuple[int, tuple[str, ...] | None]) -> Wish:
-    """A generation's part of a batched step for the planner: how far it would draft, whether that may be
-    shortened (draft_max auto), whether its drafter decodes (a draft model), its acceptance by position."""
+    """A generation's part of a batched step for the planner: how far it may draft, whether the planner chooses
+    that length (draft_max auto: up to the step's room, whatever its own controller chose on costs measured alone,
+    which a shared step does not have; under --drafter auto only where its chooser picked a drafter), whether its
+    drafter decodes (a draft model), its acceptance by position."""
     k, drafters = plan
     ses = g.session
+    if g.settings.adaptive and g.controller is not None and drafters != ():
+        k = g.draft_limit if not isinstance(g.controller, AdaptiveDrafters) else k
     names = ses.available_drafters(g.settings) if drafters is None else drafters
     d = ses.drafters.get(names[0]) if names and k > 0 else None
     decodes = d is not None and not d.on_match_only
@@ -137,7 +141,7 @@ class Batch:
         seqs = {g.session.seq for g in self.live}
         if gen.session.seq in seqs:
             raise ValueError(f"sequence {gen.session.seq} already runs a generation in this batch")
-        gen.start()
+        gen.start(prepare=not self.live or self.planner.drafting)  # (a batch that does not draft: no timings)
         self.live.append(gen)
 
     def step(self) -> list[tuple[Generation, list[TokenEvent]]]:
@@ -168,8 +172,9 @@ class Batch:
                 loop_s = max(((x.draft_token_s or 0.0) * (x.n_drafted - 1) for x in results), default=0.0)
                 self.planner.observe(wishes, [x.n_drafted for x in results], [len(x.emitted) for x in results],
                                      r.draft_s, r.verify_s, clock() - t0 - r.draft_s - r.verify_s, loop_s)
+            read = len(going) == 1 or self.planner.drafting  # (at high load a batch may never draft)
             for g in going:  # a first token is out (or, here, ready): the draft reads the prompt now
-                g.after_delivery()
+                g.after_delivery(read=read)
             for g in going:
                 if g.ended:  # it leaves at once: its stats are final, its sequence free
                     self.live.remove(g)
@@ -183,8 +188,8 @@ class Batch:
         for g, w in zip(going, wishes):
             ctrl = _length_controller(g, None)
             if w.adaptive and ctrl is not None:
-                measured = ctrl.t_draft if ctrl.t_draft is not None else ctrl.t_first
-                pl.seed(ctrl.target.band.v_mean, measured, pl.verify.n_ctx)
+                timed = ctrl.t_first if ctrl.t_first is not None else ctrl.t_draft
+                pl.seed(ctrl.target.band.v_mean, ctrl.draft.ratio_prior, timed, pl.verify.n_ctx)  # (until measured)
                 break
         ks = pl.plan(wishes)
         return [(k, drafters) for k, (_, drafters) in zip(ks, plans)]
