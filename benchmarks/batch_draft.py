@@ -121,7 +121,8 @@ def main() -> None:
                     measured[k].append(run_batch(e, b, prompts, k, a.n_predict)[0])
             row = {"batch": b, "verify_s": c["verify"], "draft_s": c["draft"], "alpha": alpha,
                    "predicted_tokens_per_s": pred, "predicted_best_k": max(pred, key=pred.get),
-                   "measured_tokens_per_s": {str(k): statistics.median(v) for k, v in measured.items()}}
+                   "measured_tokens_per_s": {str(k): statistics.median(v) for k, v in measured.items()},
+                   "measured_runs": {str(k): v for k, v in measured.items()}}
             row["measured_best_k"] = max(row["measured_tokens_per_s"], key=row["measured_tokens_per_s"].get)
             rows.append(row)
             print(f"B={b}: predicted best k {row['predicted_best_k']} "

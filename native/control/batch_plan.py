@@ -90,23 +90,31 @@ class BatchPlanner:
 
     def draft_s(self, rows: int) -> float:
         """d(rows) at the current context: measured; between measured sizes on the line through the nearest two
-        (beyond them on the last segment's, never falling); one size measured: that; none: draft_ratio of the
-        target's decode of as many rows."""
+        (beyond them on the last segment's, never falling); one size measured: that, grown as the target's decode
+        grows from that many rows to `rows` (a draft model's batch grows like its target's); none: draft_ratio of
+        the target's decode of as many rows."""
         band = self.draft.band if self.draft.band.v_mean else self.draft.nearest(lambda c: bool(c.v_mean))
         if band is None:
             return self.draft_ratio * self.verify.verify_s(rows)
         pts = sorted(band.v_mean.items())
-        if rows in band.v_mean or len(pts) == 1:
-            return band.v_mean.get(rows, pts[0][1])
+        if rows in band.v_mean:
+            return band.v_mean[rows]
+        if len(pts) == 1:
+            (b0, v0), = pts
+            return v0 * self.verify.verify_s(rows) / self.verify.verify_s(b0)
         i = min(max(sum(1 for b, _ in pts if b < rows), 1), len(pts) - 1)
         (b0, v0), (b1, v1) = pts[i - 1], pts[i]
         return max(v0 + max(v1 - v0, 0.0) * (rows - b0) / (b1 - b0), 1e-9)
 
     @property
     def drafting(self) -> bool:
-        """Whether drafting is worth preparing for (a joining sequence's draft reads its prompt): the last choice
-        drafted, or nothing of the draft was measured yet."""
-        return self.last_c > 0 or not any(c.v_mean for c in self.draft.bands.values())
+        """Whether the last choice drafted."""
+        return self.last_c > 0
+
+    @property
+    def knows_draft(self) -> bool:
+        """Whether a draft decode's cost was measured (or seeded from a sequence's timings)."""
+        return any(c.v_mean for c in self.draft.bands.values())
 
     def rate(self, wishes: Sequence[Wish], c: int) -> float:
         ks = self.capped(wishes, c)

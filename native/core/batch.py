@@ -136,12 +136,24 @@ class Batch:
         self.most_in_a_step = 0  # the most sequences one step carried
         self.planner = BatchPlanner() if planner is None else planner
         self.plan_lengths = True
+        self.prepared: set[int] = set()  # (ids of) live generations whose drafts were got ready (add)
+        self.n_unprepared = 0  # joiners whose drafts were left alone
 
     def add(self, gen: Generation) -> None:
+        """Evaluate a generation's prompt and make it live. Its draft is got ready (calibration timings, prompt
+        agreement, and after the first token the prompt read) where it may run alone, where the batch drafts, and
+        — while the batch knows nothing of the draft's cost — for one sequence, whose timings price it; else the
+        draft reads the prompt as a catch-up when the batch first lets it draft (at high load maybe never)."""
         seqs = {g.session.seq for g in self.live}
         if gen.session.seq in seqs:
             raise ValueError(f"sequence {gen.session.seq} already runs a generation in this batch")
-        gen.start(prepare=not self.live or self.planner.drafting)  # (a batch that does not draft: no timings)
+        pl = self.planner
+        prepare = not self.live or pl.drafting or not pl.knows_draft and not self.prepared
+        gen.start(prepare=prepare)
+        if prepare:
+            self.prepared.add(id(gen))
+        else:
+            self.n_unprepared += 1
         self.live.append(gen)
 
     def step(self) -> list[tuple[Generation, list[TokenEvent]]]:
@@ -151,6 +163,7 @@ class Batch:
         for g in self.live:
             plan = g.plan()
             if plan is None:
+                self.prepared.discard(id(g))
                 g.conclude()
                 out.append((g, []))
             else:
@@ -172,12 +185,12 @@ class Batch:
                 loop_s = max(((x.draft_token_s or 0.0) * (x.n_drafted - 1) for x in results), default=0.0)
                 self.planner.observe(wishes, [x.n_drafted for x in results], [len(x.emitted) for x in results],
                                      r.draft_s, r.verify_s, clock() - t0 - r.draft_s - r.verify_s, loop_s)
-            read = len(going) == 1 or self.planner.drafting  # (at high load a batch may never draft)
-            for g in going:  # a first token is out (or, here, ready): the draft reads the prompt now
-                g.after_delivery(read=read)
+            for g in going:  # a first token is out (or, here, ready): a prepared draft reads the prompt now
+                g.after_delivery(read=len(going) == 1 or id(g) in self.prepared or self.planner.drafting)
             for g in going:
                 if g.ended:  # it leaves at once: its stats are final, its sequence free
                     self.live.remove(g)
+                    self.prepared.discard(id(g))
                     g.conclude()
         return out
 
@@ -197,6 +210,7 @@ class Batch:
     def cancel(self, gen: Generation) -> None:
         """End a generation now, between steps (its memories rewound to its history)."""
         self.live.remove(gen)
+        self.prepared.discard(id(gen))
         gen.conclude()
 
     def run(self) -> None:
