@@ -75,10 +75,12 @@ def step_all(asks: list[Ask]) -> list[StepResult]:
     t0 = clock()
     props, names = _propose_all(asks)
     drafts, dists = [], []
+    constrained = [a.samp.guide is not None and a.samp.guide.active for a in asks]
     for a, prop, i in zip(asks, props, range(len(asks))):
-        keep = len(prop.tokens) >= a.settings.draft_min
-        drafts.append(prop.tokens if keep else [])
-        dists.append(prop.dists if keep else [])
+        n = a.samp.allowed_prefix(prop.tokens)  # cut at the first token a constraint forbids (an n-gram's)
+        keep = n >= a.settings.draft_min
+        drafts.append(prop.tokens[:n] if keep else [])
+        dists.append(prop.dists[:n] if keep else [])
         if not keep:
             names[i] = None
     t1 = clock()
@@ -88,7 +90,8 @@ def step_all(asks: list[Ask]) -> list[StepResult]:
     accepted = [a.session._accept(d, q, a.samp) for a, d, q in zip(asks, drafts, dists)]
     verify_s = clock() - t1
     return [StepResult(e, len(d), t1 - t0, verify_s, p.first_token_s, p.token_s, drafter=n, catchup=p.catchup,
-                       acceptance=acc) for (e, acc), d, p, n in zip(accepted, drafts, props, names)]
+                       acceptance=acc, constrained=c)
+            for (e, acc), d, p, n, c in zip(accepted, drafts, props, names, constrained)]
 
 
 class Batch:

@@ -10,6 +10,7 @@ from ..control.length import AdaptiveDraft
 from ..control.step import StepOutcome
 from ..drafters import registry
 from .accept import accepted_per_position
+from .constraint import Guide
 from .sampling import Sampling
 from .settings import AGREE_TOKENS, GenerationSettings, WINDOW_PROBATION
 from .stats import GenerationStats, Progress, TokenEvent
@@ -46,6 +47,36 @@ def window_counts(ses: Session) -> tuple[int, int, int]:
     return (r.n_slides, r.trial.n_trials, r.trial.n_reverts) if r is not None else (0, 0, 0)
 
 
+def make_stats(self: Generation, stop: str, gen_s: float) -> GenerationStats:
+    """A generation's stats so far (`stop`: its stop reason, or "running")."""
+    p, s, ctrl, samp = self._p, self.settings, self.controller, self._samp
+    guide = samp.guide if samp is not None else None
+    slides, trials, reverts = window_counts(self.session)
+    return GenerationStats(
+        speculative=self.speculative, n_prompt=len(self.new_tokens), n_generated=len(self.tokens),
+        n_steps=p.n_steps, n_drafted=p.n_drafted, n_accepted=sum(p.accepted),
+        accepted_per_pos=tuple(accepted_per_position(p.accepted, s.draft_cap)) if self.speculative else (),
+        prompt_ms=p.prompt_s * 1e3, draft_ms=p.draft_s * 1e3, verify_ms=p.verify_s * 1e3,
+        gen_ms=gen_s * 1e3, decode_ms=(self._decode_s() - p.decode0) * 1e3,
+        n_restores=self.session.n_restores - p.restores0, n_rollbacks=self.session.n_rollbacks - p.rollbacks0,
+        n_draft_slides=slides - p.slides0,
+        draft_window=reader_window(self.session) if self.speculative else None,
+        n_window_trials=trials - p.trials0, n_window_reverts=reverts - p.reverts0,
+        stop_reason=stop,
+        accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
+            "greedy" if s.temp <= 0 else "sample"),
+        sample_ms=samp.sample_s * 1e3 if samp else 0.0,
+        n_plain_steps=ctrl.n_plain_steps - p.plain0 if ctrl else 0,
+        n_probes=ctrl.n_probes - p.probes0 if ctrl else 0,
+        steps_by_k=tuple(sorted(p.steps_by_k.items())), tried_per_pos=tuple(p.tried),
+        verify_ms_by_size=tuple((b, n, ms * 1e3) for b, (n, ms) in sorted(p.verify_by_size.items())),
+        draft_next_ms=p.draft_next_s * 1e3, n_draft_next=p.n_draft_next,
+        n_drafted_by=tuple(sorted(p.drafted_by.items())), n_accepted_by=tuple(sorted(p.accepted_by.items())),
+        constrained=guide is not None, n_drafted_constrained=p.c_drafted, n_accepted_constrained=p.c_accepted,
+        n_masked_rows=guide.n_rows if guide else 0, n_masks=guide.n_masks if guide else 0,
+        mask_ms=guide.mask_s * 1e3 if guide else 0.0)
+
+
 class Generation:
     """Iterate for TokenEvents; `stats` is set when the iteration ends (also on interruption);
     `snapshot()` gives the stats so far while it runs."""
@@ -77,28 +108,7 @@ class Generation:
         return "".join(self._text)
 
     def _make_stats(self, stop: str, gen_s: float) -> GenerationStats:
-        p, s, ctrl, samp = self._p, self.settings, self.controller, self._samp
-        slides, trials, reverts = window_counts(self.session)
-        return GenerationStats(
-            speculative=self.speculative, n_prompt=len(self.new_tokens), n_generated=len(self.tokens),
-            n_steps=p.n_steps, n_drafted=p.n_drafted, n_accepted=sum(p.accepted),
-            accepted_per_pos=tuple(accepted_per_position(p.accepted, s.draft_cap)) if self.speculative else (),
-            prompt_ms=p.prompt_s * 1e3, draft_ms=p.draft_s * 1e3, verify_ms=p.verify_s * 1e3,
-            gen_ms=gen_s * 1e3, decode_ms=(self._decode_s() - p.decode0) * 1e3,
-            n_restores=self.session.n_restores - p.restores0, n_rollbacks=self.session.n_rollbacks - p.rollbacks0,
-            n_draft_slides=slides - p.slides0,
-            draft_window=reader_window(self.session) if self.speculative else None,
-            n_window_trials=trials - p.trials0, n_window_reverts=reverts - p.reverts0,
-            stop_reason=stop,
-            accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
-                "greedy" if s.temp <= 0 else "sample"),
-            sample_ms=samp.sample_s * 1e3 if samp else 0.0,
-            n_plain_steps=ctrl.n_plain_steps - p.plain0 if ctrl else 0,
-            n_probes=ctrl.n_probes - p.probes0 if ctrl else 0,
-            steps_by_k=tuple(sorted(p.steps_by_k.items())), tried_per_pos=tuple(p.tried),
-            verify_ms_by_size=tuple((b, n, ms * 1e3) for b, (n, ms) in sorted(p.verify_by_size.items())),
-            draft_next_ms=p.draft_next_s * 1e3, n_draft_next=p.n_draft_next,
-            n_drafted_by=tuple(sorted(p.drafted_by.items())), n_accepted_by=tuple(sorted(p.accepted_by.items())))
+        return make_stats(self, stop, gen_s)
 
     def _decode_s(self) -> float:
         return sum(c.decode_s for c in self._ctxs) + (self.session.decode_s if self.speculative else 0.0)
@@ -129,7 +139,8 @@ class Generation:
         self._stop = "interrupted"  # until the loop ends by itself
         self._done = self._first = False
         self._prefill()
-        self._samp = Sampling(s, self.speculative)
+        self._samp = Sampling(s, self.speculative, None if s.constraint is None else
+                              Guide(s.constraint, ses.engine.target, self.tokens, self._clock))
         if self.controller is not None:
             p.plain0, p.probes0 = self.controller.n_plain_steps, self.controller.n_probes
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
