@@ -19,16 +19,17 @@ import random
 import signal
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Awaitable, Callable
 
 from ...errors import SpecqError, UsageError
 from ..core.config import EngineConfig
+from ..core.constraint import Constraint, ConstraintError, compile_constraint
 from ..core.engine import Engine
 from ..core.settings import GenerationSettings
-from .api import (ApiError, ApiRequest, Limits, ResponseIds, chunk, full_response, parse_json, parse_request,
-                  settings_for, sse, usage_chunk)
+from .api import (ApiError, ApiRequest, Limits, ResponseIds, chunk, constraint_param, full_response, parse_json,
+                  parse_request, settings_for, sse, usage_chunk)
 from .template import TemplateFormatter, load_template
 from .scheduler import Scheduler
 from .worker import Job, Worker
@@ -136,6 +137,14 @@ class ServerState:
                                 f"{self.engine.n_ctx}); send a shorter prompt or start the server with a larger --ctx",
                            "context_length_exceeded")
         return tokens
+
+    def compile(self, c: Constraint) -> Constraint:
+        """A request's constraint compiled for the target's vocabulary; a 400 naming its field where it cannot be."""
+        try:
+            return compile_constraint(self.engine.target, c)
+        except ConstraintError as e:
+            param = constraint_param(c)
+            raise ApiError(400, f"'{param}': {e}", "invalid_value", param=param)
 
     def seed_for(self, req: ApiRequest) -> int:
         return self.cfg.seed if self.cfg.seed is not None else random.SystemRandom().randrange(1 << 32)
@@ -305,6 +314,8 @@ class Handlers:
             settings = settings_for(req, st.defaults, st.seed_for(req)).validate()
         except UsageError as e:  # a combination the per-field checks let through (draft_min > draft_max…)
             raise ApiError(400, str(e), "invalid_value")
+        if req.constraint is not None:  # compiled here, off the engine's thread (cached by its text)
+            settings = replace(settings, constraint=await run_in_threadpool(st.compile, req.constraint))
         events: asyncio.Queue = asyncio.Queue()
         job = Job(tokens, settings, req.stops, lambda item: None, cache_prompt=req.cache_prompt,
                   speculative=req.speculative)
