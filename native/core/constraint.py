@@ -163,6 +163,7 @@ class Guide:
         self._masks: dict[int, np.ndarray] = {}  # by position in `seen`
         self._clock = clock
         self.n_masks = 0  # masks computed (each position once)
+        self.n_cut = 0  # proposals cut at a token the grammar forbids
         self.n_rows = 0  # logits rows masked (draft and target)
         self.mask_s = 0.0
 
@@ -261,6 +262,7 @@ class Guide:
         for i, t in enumerate(drafts):
             a = self.allowed(drafts, i)
             if a is not None and not (t < len(a) and a[t]):
+                self.n_cut += 1
                 return i
         return len(drafts)
 

@@ -6,6 +6,7 @@ may come (a chat model ends its turn with its own end token, not always the voca
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -32,8 +33,24 @@ def lltokenizer(model: Model):
     with _LOCK:
         tok = _CACHE.get(model)
         if tok is None:
-            from llguidance.llamacpp import lltokenizer_from_vocab
-
-            tok = lltokenizer_from_vocab(model.vocab, eos_token=eog_tokens(model))
+            tok = _build(model)
             _CACHE[model] = tok
         return tok
+
+
+def _build(model: Model):
+    """As llguidance.llamacpp.lltokenizer_from_vocab (which calls a deprecated llama.cpp function): each token's
+    bytes, control tokens (and user-defined ones that look like them) marked with a leading 0xff."""
+    from llguidance import LLTokenizer
+
+    tokens = []
+    for t in range(model.n_vocab):
+        piece = model.piece(t)
+        attr = C.llama_vocab_get_attr(model.vocab, t)
+        if attr & C.LLAMA_TOKEN_ATTR_CONTROL or (attr & C.LLAMA_TOKEN_ATTR_USER_DEFINED and piece.startswith(b"<")
+                                                 and piece.endswith(b">")):
+            piece = b"\xff" + piece
+        tokens.append(piece)
+    fptr = ctypes.cast(C.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+    return LLTokenizer.from_llamacpp(tokens=tokens, vocab_ptr=model.vocab, tokenize_fptr=fptr,
+                                     eos_token=eog_tokens(model), slices=None)
