@@ -141,3 +141,40 @@ def test_the_constraint_starts_after_the_marker(tiny_target, tiny_close):
     assert got.tokens == want.tokens and got.stats.n_drafted > 0 and got.stats.n_drafted_constrained > 0
     assert want.tokens[:cut] == free.tokens[:cut]  # free text up to and including the marker
     assert after and all(set(p) <= set(b"abc") for p in after)
+
+
+def test_a_draft_drafting_under_the_grammar_keeps_the_law_where_the_grammar_allows_much(tiny_target, tiny_close):
+    # Under [a-z ]+ a quarter of the vocabulary is allowed: the draft proposes from its own masked, renormalised
+    # distribution (from its raw one it would propose a forbidden token, cut, most of the time: the mutant
+    # constraint-draft-unmasked drafts a fifth as much). The second token is the first drafted one: its marginal
+    # law against numpy's.
+    c_text = "start: /[a-z ]+/"
+    kw = dict(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, n_predict=3, draft_max=1)
+    with Engine(tiny_target, tiny_close, ctx=128, threads=1) as e:
+        toks = e.tokenize(PROMPT)
+        c = constrained(e, Constraint("lark", c_text))
+        ses, counts, drafted = e.session(), {}, 0
+        for seed in range(4000):
+            ses.reset()
+            g = ses.generate(toks, GenerationSettings(seed=seed, constraint=c, **kw)).run()
+            counts[g.tokens[1]] = counts.get(g.tokens[1], 0) + 1
+            drafted += g.stats.n_drafted_constrained
+    with _ffi.Model(tiny_target) as m, _ffi.Context(m, 128, 1) as ctx:
+        ok = np.array([len(m.piece(t)) > 0 and set(m.piece(t)) <= set(b"abcdefghijklmnopqrstuvwxyz ")
+                       for t in range(m.n_vocab)])
+        eog = np.array([m.is_eog(t) for t in range(m.n_vocab)])
+
+        def probs(prefix, allow):
+            ctx.clear()
+            ctx.decode(prefix, 0)
+            z = np.array(ctx.logits(1)[0], np.float64)
+            z[~allow] = -np.inf
+            w = np.exp(z - z.max())
+            return w / w.sum()
+        p1 = probs(toks, ok)
+        law = np.zeros(m.n_vocab)
+        for x in np.flatnonzero(p1 > 0):
+            law += p1[x] * probs(toks + [int(x)], ok | eog)
+    assert 20 < ok.sum() < m.n_vocab // 2
+    assert drafted > 2000
+    assert chi2_pvalue(counts, {int(t): float(law[t]) for t in np.flatnonzero(law > 0)}) > 0.001
