@@ -6,6 +6,8 @@ the grammar forbids; the `after` marker starts the constraint."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -178,3 +180,26 @@ def test_a_draft_drafting_under_the_grammar_keeps_the_law_where_the_grammar_allo
     assert 20 < ok.sum() < m.n_vocab // 2
     assert drafted > 2000
     assert chi2_pvalue(counts, {int(t): float(law[t]) for t in np.flatnonzero(law > 0)}) > 0.001
+
+
+def test_the_request_fields_become_constraints():
+    from specq.native.serving.api import ApiError, parse_constraint
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert parse_constraint({}) is None and parse_constraint({"response_format": {"type": "text"}}) is None
+    assert parse_constraint({"response_format": {"type": "json_object"}}) == Constraint("json_object")
+    got = parse_constraint({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                                      "strict": True}}})
+    assert (got.kind, got.lenient, json.loads(got.text)) == ("json_schema", False, schema)
+    got = parse_constraint({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}})
+    assert got.lenient  # not strict: keywords the library cannot enforce are ignored
+    assert parse_constraint({"grammar": 'root ::= "a"'}) == Constraint("gbnf", 'root ::= "a"')
+    for body, param in (({"grammar": "root ::= x", "response_format": {"type": "json_object"}}, "grammar"),
+                        ({"grammar": 3}, "grammar"), ({"response_format": {"type": "yaml"}}, "response_format"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
+                         "response_format"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "y"}}},
+                         "response_format")):
+        with pytest.raises(ApiError) as e:
+            parse_constraint(body)
+        assert (e.value.status, e.value.param) == (400, param)

@@ -109,19 +109,19 @@ def compile_constraint(model: Model, c: Constraint, timeout_s: float = COMPILE_T
         raise ConstraintError(f"the {'schema' if c.kind == 'json_schema' else 'grammar'} is {size} bytes, over "
                               f"the limit of {MAX_GRAMMAR_BYTES}; send a smaller one")
     tokenizer = lltokenizer(model)
-    key = (id(tokenizer), c.kind, c.text, c.lenient)
+    key = (id(tokenizer), c.kind, c.text, c.lenient)  # an entry holds its tokenizer: the id stays its own
     with _LOCK:
         got = _COMPILED.get(key)
         if got is not None:
             _COMPILED.move_to_end(key)
-            return replace(c, compiled=got)
+            return replace(c, compiled=got[1])
     job = _POOL.submit(_build, tokenizer, c)
     try:
         got = job.result(timeout=timeout_s)
     except FutureTimeout:
         raise ConstraintError(f"compiling the grammar took over {timeout_s:g} s; send a simpler one")
     with _LOCK:
-        _COMPILED[key] = got
+        _COMPILED[key] = (tokenizer, got)
         while len(_COMPILED) > CACHE_SIZE:
             _COMPILED.popitem(last=False)
     return replace(c, compiled=got)
