@@ -5,8 +5,9 @@ a prompt-sized prefix per sequence) and one draft decode of B rows (one draft po
 α per position measured on the pair alone (greedy, k = 8), the aggregate tokens per second of a batched step are
 B·E(α, k) / (t_verify(B, k) + k·t_draft(B)), and B / t_verify(B, 0) without drafting. The best k falls as B grows
 because the verify's cost grows with the batch's total rows B·(k+1).
-Measurement: B greedy generations stepped together (core/batch.py) at each k and under --draft-max auto (each
-sequence's controller sees the shared verify's time), aggregate tokens/s, the configurations alternating.
+Measurement: B greedy generations stepped together (core/batch.py) at each k and under --draft-max auto: "auto"
+(the batch's cost model, control/batch_plan.py, caps each sequence's own length) and "auto-own" (each sequence's
+controller alone); aggregate tokens/s, the configurations alternating.
 
     python benchmarks/batch_draft.py [--pair demo|deep] [--batch 1,4,8] [--k 0,2,4,8] [--json F]
 """
@@ -67,11 +68,14 @@ def costs(e: Engine, b: int, ks: list[int], prefix: int, repeat: int) -> dict:
 
 
 def run_batch(e: Engine, b: int, prompts: list[list[int]], k, n: int) -> tuple[float, list]:
+    """k: a fixed length (0: the target alone), "auto" (the batch's cost model caps the sequences' own lengths,
+    control/batch_plan.py) or "auto-own" (each sequence's controller alone, as before the batch's model)."""
     batch, gens = Batch(), []
+    batch.plan_lengths = k != "auto-own"
     for i in range(b):
         ses = e.session(i)
         ses.reset()
-        s = GenerationSettings(n_predict=n, draft_max=k if k != 0 else 1)
+        s = GenerationSettings(n_predict=n, draft_max="auto" if k == "auto-own" else (k if k != 0 else 1))
         gens.append(ses.generate(prompts[i % len(prompts)], s, speculative=k != 0))
     t0 = time.perf_counter()
     for g in gens:
@@ -109,9 +113,9 @@ def main() -> None:
             c = costs(e, b, ks, len(prompts[0]), a.repeat)
             pred = {k: b * (expected_tokens_per_pass(alpha, k) if k else 1) / (c["verify"][k] + k * c["draft"])
                     for k in ks}
-            measured: dict = {k: [] for k in ks + ["auto"]}
+            measured: dict = {k: [] for k in ks + ["auto", "auto-own"]}
             for r in range(a.rounds):
-                for k in (ks + ["auto"]) if r % 2 == 0 else (["auto"] + ks[::-1]):
+                for k in (ks + ["auto", "auto-own"]) if r % 2 == 0 else (["auto-own", "auto"] + ks[::-1]):
                     measured[k].append(run_batch(e, b, prompts, k, a.n_predict)[0])
             row = {"batch": b, "verify_s": c["verify"], "draft_s": c["draft"], "alpha": alpha,
                    "predicted_tokens_per_s": pred, "predicted_best_k": max(pred, key=pred.get),

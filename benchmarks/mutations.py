@@ -19,7 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_exactness.py", "tests/test_rejection.py", "tests/test_engine.py", "tests/test_accept.py",
          "tests/test_tinyqwen35.py", "tests/test_hybrid.py", "tests/test_swa.py", "tests/test_mtp.py",
-         "tests/test_counts.py", "tests/test_parallel.py", "tests/test_constrained.py"]
+         "tests/test_counts.py", "tests/test_parallel.py", "tests/test_logprobs.py",
+         "tests/test_batch_plan.py", "tests/test_constrained.py"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,16 @@ MUTANTS = [
     Mutant("mtp-own-state", "a drafted token fed to the MTP head with the trunk's last row, not the head's own "
                             "output state",
            (("native/drafters/mtp.py", "        h = self.ctx.hidden()", "        h = self.rows.rows[-1].copy()"),)),
+    Mutant("batch-own-lengths", "a batched step drafts what each sequence would alone (no batch cost model)",
+           (("native/control/batch_plan.py", "        best_c = max(range(top + 1), key=lambda c: (self.rate(wishes, c), c))",
+             "        best_c = top"),)),
+    Mutant("shared-step-costs", "a step shared with other sequences teaches each sequence's controller the batch's "
+                                "verify time as its own",
+           (("native/control/length.py", "        if step.shared:\n", "        if False:\n"),)),
+    Mutant("logprobs-after-temperature", "logprobs reported from the tempered distribution, not the raw logits",
+           (("native/core/logprobs.py", "    x = row.astype(np.float64)\n", "    x = row.astype(np.float64) / 1.5\n"),)),
+    Mutant("logprobs-row-shift", "a token's logprobs read from the row after the one that chose it",
+           (("native/core/logprobs.py", "zip(rows, emitted)", "zip(np.roll(rows, -1, axis=0), emitted)"),)),
 ]
 
 

@@ -247,14 +247,16 @@ def _error(status_body) -> tuple[int, dict]:
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "model_not_found"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "unsupported_parameter"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, 400, "invalid_type"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "invalid_value"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, 400, "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "draft_max": -1}, 400, "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "accept": "maybe"}, 400, "invalid_value"),
     ({"messages": [{"role": "user", "content": "the quick brown fox " * 3000}]}, 400, "context_length_exceeded"),
 ], ids=["invalid-json", "not-an-object", "messages-type", "max-tokens-type", "negative-max-tokens", "bool-temp",
-        "over-max-tokens", "unknown-model", "n2", "logprobs", "tools", "response-format", "draft-max-negative", "accept",
+        "over-max-tokens", "unknown-model", "n2", "logprobs-type", "top-logprobs-alone", "top-logprobs-21", "tools", "response-format", "draft-max-negative", "accept",
         "prompt-too-long"])
 def test_bad_requests_get_an_openai_error(server, body, status, code):
     got, err = _error(http(f"{server.url}/v1/chat/completions", body))

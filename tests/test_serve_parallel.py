@@ -5,6 +5,7 @@ sequence; several sequences share each verify decode."""
 from __future__ import annotations
 
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -164,3 +165,25 @@ def test_max_queue_counts_the_requests_waiting_for_a_free_sequence(tiny_target):
         assert (w.n_slots, w.waiting) == (2, 1)
         with pytest.raises(QueueFull):
             w.submit(jobs[3])
+
+
+def test_a_hybrid_target_serves_four_sequences_exactly(tiny_qwen35, tiny_qwen35_close, tmp_path):
+    """A tiny qwen35 (recurrent + attention) target with --parallel 4: every rollback goes through its own
+    sequence's recurrent-state snapshots; four concurrent answers each equal the target alone (draft_max 0)."""
+    target = tmp_path / "target.gguf"  # (the model's id is its file's stem: the tests ask for "target")
+    shutil.copy(tiny_qwen35, target)
+    srv = ServerProc(["--target", str(target), "--draft", str(tiny_qwen35_close), "--parallel", "4", *ARGS],
+                     tmp_path / "serve.log")
+    try:
+        c = client(srv.url)
+        plain = [chat(c, p, max_tokens=40, temperature=0, extra_body={"draft_max": 0}).choices[0].message.content
+                 for p in PROMPTS[:4]]
+        before = srv.metrics()["specq:verify_decodes_multi"]
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: stream_text(client(srv.url), p, 40), PROMPTS[:4]))
+        for (text, _, spec), want in zip(got, plain):
+            assert len(set(want)) > 5
+            assert text == want and spec["n_drafted"] > 0
+        assert srv.metrics()["specq:verify_decodes_multi"] > before
+    finally:
+        srv.stop()

@@ -272,7 +272,12 @@ class AdaptiveDraft:
     # -- measurements ---------------------------------------------------------------------------
     def observe(self, step: StepOutcome) -> None:
         """Record one step (StepOutcome; its drafter is not read here). A long catch-up's first token's own cost is
-        taken off its time."""
+        taken off its time. Of a step shared with other sequences only the acceptance (batch_plan.py prices the
+        batch)."""
+        if step.shared:
+            self.schedule.probing = False
+            self._count(step)
+            return
         if step.catchup is not None and step.catchup[0] > 2:
             self.draft.observe_catchup(*step.catchup)
             self.n_catchups += 1
@@ -286,14 +291,17 @@ class AdaptiveDraft:
             extra = step.step_s / plain - 1.0 - step.expected_accepted
             self.budget.spent_s += extra * plain
             self.schedule.measured(extra)
-        if step.n_drafted and step.acceptance is not None:
-            self.acceptance.count_expected(step.acceptance)
-        elif step.n_drafted:
-            self.acceptance.count(step.n_drafted, step.n_accepted)
+        self._count(step)
         self.draft.observe(step.draft_token_s, step.first_token_s)
         if self.owns_target:
             self.target.observe(step.n_drafted + 1, step.verify_s)
         self.overhead = running_mean(self.overhead, step.overhead_s, self.ema)
+
+    def _count(self, step: StepOutcome) -> None:
+        if step.n_drafted and step.acceptance is not None:
+            self.acceptance.count_expected(step.acceptance)
+        elif step.n_drafted:
+            self.acceptance.count(step.n_drafted, step.n_accepted)
 
     def snapshot(self, limit: int | None = None) -> AdaptiveSnapshot:
         k, _ = self.expected(self.cap if limit is None else limit)

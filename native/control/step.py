@@ -26,6 +26,9 @@ class StepOutcome:
     catchup: tuple[int, float] | None = None
     drafter: str | None = None
     acceptance: tuple[tuple[float, float], ...] | None = None
+    # the step shared its decodes with other sequences (--parallel): its times are the batch's, which the batch's
+    # own cost model (batch_plan.py) records; a sequence's controller takes only its acceptance from it
+    shared: bool = False
 
     @property
     def expected_accepted(self) -> float:

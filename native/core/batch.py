@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..control.batch_plan import BatchPlanner, Wish
+from ..control.chooser import AdaptiveDrafters
 from ..drafters.base import Drafter, Proposal
 from .memory import extend_many
 from .sampling import Sampling
@@ -22,6 +24,7 @@ from .settings import GenerationSettings
 from .stats import TokenEvent
 
 if TYPE_CHECKING:
+    from ..control.length import AdaptiveDraft
     from .generation import Generation
     from .session import Session, StepResult
 
@@ -88,10 +91,34 @@ def step_all(asks: list[Ask]) -> list[StepResult]:
         a.session.tgt.save_checkpoint(n_next=len(d) + 1)  # the verify is one decode; its first token stays
     extend_many([(a.session.tgt, [a.session.history[-1]] + d, "all") for a, d in zip(asks, drafts)])
     accepted = [a.session._accept(d, q, a.samp) for a, d, q in zip(asks, drafts, dists)]
+    logprobs = [a.session.logprobs_of(e, a.settings) for a, (e, _) in zip(asks, accepted)]
     verify_s = clock() - t1
     return [StepResult(e, len(d), t1 - t0, verify_s, p.first_token_s, p.token_s, drafter=n, catchup=p.catchup,
-                       acceptance=acc, constrained=c)
-            for (e, acc), d, p, n, c in zip(accepted, drafts, props, names, constrained)]
+                       acceptance=acc, logprobs=lp, shared=len(asks) > 1, constrained=c)
+            for (e, acc), d, p, n, lp, c in zip(accepted, drafts, props, names, logprobs, constrained)]
+
+
+def _length_controller(g: Generation, drafter: str | None) -> AdaptiveDraft | None:
+    """The length controller that speaks for a generation's drafts (under --drafter auto its drafter's)."""
+    ctrl = g.controller
+    if isinstance(ctrl, AdaptiveDrafters):
+        return ctrl.per.get(drafter) if drafter else None
+    return ctrl
+
+
+def wish(g: Generation, plan: tuple[int, tuple[str, ...] | None]) -> Wish:
+    """A generation's part of a batched step for the planner: how far it would draft, whether that may be
+    shortened (draft_max auto), whether its drafter decodes (a draft model), its acceptance by position."""
+    k, drafters = plan
+    ses = g.session
+    names = ses.available_drafters(g.settings) if drafters is None else drafters
+    d = ses.drafters.get(names[0]) if names and k > 0 else None
+    decodes = d is not None and not d.on_match_only
+    behind = len(ses.history) - d.memory.next_index() if decodes and hasattr(d, "memory") else 1
+    ctrl = _length_controller(g, names[0] if names else None)
+    if g.settings.adaptive and ctrl is not None:
+        return Wish(k, True, decodes, alphas=ctrl.alphas(), behind=behind)
+    return Wish(k, False, decodes, tokens=len(g.tokens) / max(g.n_steps, 1), behind=behind)
 
 
 class Batch:
@@ -99,10 +126,14 @@ class Batch:
     advances every live generation by one speculative step and returns each one's tokens; a generation that has
     ended leaves the batch (its `stats` set) at the next step."""
 
-    def __init__(self) -> None:
+    def __init__(self, planner: BatchPlanner | None = None) -> None:
+        """`planner`: the batch's draft lengths (control/batch_plan.py; a new one by default). Batch(planner=None)
+        with `plan_lengths = False` keeps each sequence's own length (benchmarks compare the two)."""
         self.live: list[Generation] = []
         self.n_steps = 0  # batched steps run
         self.most_in_a_step = 0  # the most sequences one step carried
+        self.planner = BatchPlanner() if planner is None else planner
+        self.plan_lengths = True
 
     def add(self, gen: Generation) -> None:
         seqs = {g.session.seq for g in self.live}
@@ -125,10 +156,20 @@ class Batch:
                 plans.append(plan)
         self.live = going
         if going:
+            clock = going[0].session.engine.clock
+            t0 = clock()
+            wishes = [wish(g, plan) for g, plan in zip(going, plans)] if len(going) > 1 else []
+            if wishes and self.plan_lengths:
+                plans = self._cap(going, wishes, plans)
             results = step_all([Ask(g.session, g.settings, g.sampling, *plan) for g, plan in zip(going, plans)])
             self.n_steps += 1
             self.most_in_a_step = max(self.most_in_a_step, len(going))
             out += [(g, g.take(r)) for g, r in zip(going, results)]
+            if wishes:
+                r = results[0]
+                loop_s = max(((x.draft_token_s or 0.0) * (x.n_drafted - 1) for x in results), default=0.0)
+                self.planner.observe(wishes, [x.n_drafted for x in results], [len(x.emitted) for x in results],
+                                     r.draft_s, r.verify_s, clock() - t0 - r.draft_s - r.verify_s, loop_s)
             for g in going:  # a first token is out (or, here, ready): the draft reads the prompt now
                 g.after_delivery()
             for g in going:
@@ -136,6 +177,19 @@ class Batch:
                     self.live.remove(g)
                     g.conclude()
         return out
+
+    def _cap(self, going: list[Generation], wishes: list[Wish], plans: list) -> list:
+        """The batch's draft lengths (control/batch_plan.py), seeded with a sequence's own measured costs."""
+        pl = self.planner
+        pl.at(sum(len(g.session.history) for g in going) // len(going))
+        for g, w in zip(going, wishes):
+            ctrl = _length_controller(g, None)
+            if w.adaptive and ctrl is not None:
+                measured = ctrl.t_draft if ctrl.t_draft is not None else ctrl.t_first
+                pl.seed(ctrl.target.band.v_mean, measured, pl.verify.n_ctx)
+                break
+        ks = pl.plan(wishes)
+        return [(k, drafters) for k, (_, drafters) in zip(ks, plans)]
 
     def cancel(self, gen: Generation) -> None:
         """End a generation now, between steps (its memories rewound to its history)."""

@@ -104,6 +104,10 @@ class Generation:
         return self._samp
 
     @property
+    def n_steps(self) -> int:
+        return self._p.n_steps
+
+    @property
     def text(self) -> str:
         return "".join(self._text)
 
@@ -285,7 +289,7 @@ class Generation:
             ctrl.observe(StepOutcome(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
                                      self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s,
                                      step.first_token_s, step.catchup, drafter=step.drafter,
-                                     acceptance=step.acceptance))
+                                     acceptance=step.acceptance, shared=step.shared))
         self._settle_window(finished=False)
 
     def _emit(self, step: StepResult, utf8, remaining: int | None) -> tuple[list[TokenEvent], str | None]:
@@ -298,7 +302,9 @@ class Generation:
             is_eog = eng.target.is_eog(tok)
             piece = "" if is_eog else utf8.decode(eng.target.piece(tok))
             self._text.append(piece)
-            events.append(TokenEvent(tok, piece, i < len(step.emitted) - 1, p.n_steps - 1))
+            lp = step.logprobs[i] if step.logprobs is not None else None
+            events.append(TokenEvent(tok, piece, i < len(step.emitted) - 1, p.n_steps - 1,
+                                     *((lp.logprob, lp.top) if lp is not None else ())))
             if is_eog:
                 return events, "eog"
             if remaining is not None and len(self.tokens) >= self.settings.n_predict:

@@ -12,6 +12,7 @@ from ..drafters import registry
 from ..drafters.base import Agreement, CatchUp, Drafter, Proposal
 from .accept import expected_acceptance, greedy_emit, overlap, rejection_emit
 from .generation import Generation, new_controller
+from .logprobs import TokenLogprob, token_logprobs
 from .memory import Memory, common_prefix
 from .sampling import Sampling, Transform, restrict
 from .settings import AGREE_MIN, GenerationSettings
@@ -35,6 +36,8 @@ class StepResult:
     # rejection sampling: per drafted position (reach, expected acceptance), accept.expected_acceptance
     acceptance: tuple[tuple[float, float], ...] | None = None
     constrained: bool = False  # the step's first token was under a constraint (GenerationSettings.constraint)
+    logprobs: list[TokenLogprob] | None = None  # per emitted token, where the settings ask (core/logprobs.py)
+    shared: bool = False  # the step's decodes carried other sequences too (its times are the batch's)
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,14 @@ class Session:
         self.tgt.extend([self.history[-1]] + drafts, logits="all")
         emitted, acceptance = self._accept(drafts, q, samp)
         return StepResult(emitted, len(drafts), t1 - t0, clock() - t1, prop.first_token_s, prop.token_s,
-                          drafter=drafter, catchup=prop.catchup, acceptance=acceptance, constrained=constrained)
+                          drafter=drafter, catchup=prop.catchup, acceptance=acceptance, constrained=constrained,
+                          logprobs=self.logprobs_of(emitted, s))
+
+    def logprobs_of(self, emitted: list[int], s: GenerationSettings) -> list[TokenLogprob] | None:
+        """The emitted tokens' log-probabilities from the verify's target rows (before any rewind decodes)."""
+        if s.logprobs is None:
+            return None
+        return token_logprobs(self.tgt.ctx.logits(len(emitted)), emitted, s.logprobs)
 
     def _accept(self, drafts: list[int], q: list, samp: Sampling) -> tuple[list[int], tuple | None]:
         """The tokens the verify emits: the accepted drafts, then the target's own next token; under rejection

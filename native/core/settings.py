@@ -70,6 +70,7 @@ class GenerationSettings:
     # a proposal drafts) or "auto" (the adaptive controller chooses per step, plain decoding included)
     ngram_min: int = 3  # the shortest ending of the text an n-gram proposal needs to have seen before
     ngram_max: int = 6
+    logprobs: int | None = None  # None: none computed; n >= 0: each token's log-probability and the top n
     # constrained output (core/constraint.py): a JSON schema or grammar the answer follows; None: free text
     constraint: Constraint | None = None
 
@@ -118,6 +119,8 @@ class GenerationSettings:
             raise UsageError(f"--min-p must be between 0 and 1 ({self.min_p})")
         if self.top_k < 0:
             raise UsageError(f"--top-k must be >= 0 ({self.top_k}); 0 disables it")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise UsageError(f"logprobs must be between 0 and 20 ({self.logprobs})")
         self.drafters  # noqa: B018 (raises on a bad --drafter)
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise UsageError(f"--ngram-min must be at least 1 and at most --ngram-max ({self.ngram_min}, "

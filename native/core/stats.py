@@ -15,6 +15,8 @@ class TokenEvent:
     text: str  # the decoded text this token completes ('' while a UTF-8 sequence is incomplete)
     from_draft: bool
     step: int
+    logprob: float | None = None  # GenerationSettings.logprobs: the target's raw log-probability of the token
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # and its row's most likely tokens (id, log-probability)
 
 
 class Rates:

@@ -15,14 +15,13 @@ from ..core.constraint import Constraint
 from ..core.settings import ACCEPT_MODES, DRAFT_MAX_CAP, GenerationSettings
 from ..core.stats import GenerationStats
 from ..drafters.registry import parse_drafter
+from .logprob_wire import parse_logprobs, wire
 
 MAX_STOPS = 16  # OpenAI allows 4; llama-server takes any number. A bound keeps the per-token scan cheap.
 # Fields OpenAI defines that this server cannot honour: refused, never silently ignored.
 UNSUPPORTED = {
     "n": "only one choice per request (n = 1)",
     "best_of": "only one choice per request (best_of = 1)",
-    "logprobs": "log-probabilities are not returned",
-    "top_logprobs": "log-probabilities are not returned",
     "tools": "tool calls are not supported",
     "tool_choice": "tool calls are not supported",
     "functions": "function calls are not supported",
@@ -34,7 +33,7 @@ UNSUPPORTED = {
     "suffix": "suffix (insertion) is not supported",
 }
 # Values of those fields that ask for nothing beyond the default (null always does), so clients sending defaults work.
-_HARMLESS = {"n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "tools": ([],),
+_HARMLESS = {"n": (1,), "best_of": (1,), "tools": ([],),
              "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
              "logit_bias": ({},), "frequency_penalty": (0,),
              "presence_penalty": (0,), "echo": (False,), "suffix": ("",)}
@@ -314,7 +313,8 @@ def parse_request(body: dict, kind: str, limits: Limits) -> ApiRequest:
     return ApiRequest(
         kind=kind, messages=parse_messages(body) if kind == "chat" else None,
         prompt=parse_prompt(body) if kind == "completion" else None, max_tokens=parse_max_tokens(body, limits),
-        stream=stream, include_usage=include_usage, stops=parse_stops(body), overrides=parse_sampling(body, limits),
+        stream=stream, include_usage=include_usage, stops=parse_stops(body),
+        overrides={**parse_sampling(body, limits), "logprobs": parse_logprobs(body, kind, bad)},
         cache_prompt=_bool(body, "cache_prompt", default=True), speculative=not _target_alone(body),
         constraint=parse_constraint(body))
 
@@ -381,23 +381,27 @@ class ResponseIds:
                 "system_fingerprint": f"specq-{__version__}"}
 
 
-def full_response(ids: ResponseIds, text: str, o: Outcome) -> dict:
+def full_response(ids: ResponseIds, text: str, o: Outcome, logprobs: list[dict] | None = None) -> dict:
     fr = FINISH.get(o.finish, "stop")
+    lp = None if logprobs is None else wire(ids.kind, logprobs)
     if ids.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": fr}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": fr}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr}
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": fr}
     return {**ids.head(False), "choices": [choice], "usage": usage(o)}
 
 
-def chunk(ids: ResponseIds, text: str | None, finish: str | None = None, first: bool = False) -> dict:
-    """One stream chunk: text, or (finish set) the closing chunk with an empty delta."""
+def chunk(ids: ResponseIds, text: str | None, finish: str | None = None, first: bool = False,
+          logprobs: list[dict] | None = None, offset: int = 0) -> dict:
+    """One stream chunk: text (and the logprobs of the tokens it completes, `offset` the characters sent before),
+    or (finish set) the closing chunk with an empty delta."""
     fr = FINISH.get(finish, "stop") if finish else None
+    lp = None if logprobs is None else wire(ids.kind, logprobs, offset)
     if ids.kind == "chat":
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fr}
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": fr}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": fr}
+        choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": fr}
     return {**ids.head(True), "choices": [choice]}
 
 

@@ -200,11 +200,18 @@ def _event_stream(ids: ResponseIds, req: ApiRequest, events: asyncio.Queue):
     async def gen():
         if ids.kind == "chat":
             yield sse(chunk(ids, None, first=True))
+        held: list[dict] | None = None  # logprobs entries of tokens whose text has not gone out yet
+        sent = 0
         while True:
             kind, value = await events.get()
-            if kind == "text":
-                yield sse(chunk(ids, value))
+            if kind == "logprobs":
+                held = (held or []) + [value]
+            elif kind == "text":
+                yield sse(chunk(ids, value, logprobs=held, offset=sent))
+                held, sent = None, sent + len(value)
             elif kind == "done":
+                if held:
+                    yield sse(chunk(ids, "" if ids.kind == "completion" else None, logprobs=held, offset=sent))
                 yield sse(chunk(ids, None, finish=value.finish))
                 if req.include_usage:
                     yield sse(usage_chunk(ids, value))
@@ -330,13 +337,15 @@ class Handlers:
         """Wait for the whole answer; a client that leaves first cancels its generation."""
 
         async def answer():
-            parts = []
+            parts, entries = [], []
             while True:
                 kind, value = await events.get()
                 if kind == "text":
                     parts.append(value)
+                elif kind == "logprobs":
+                    entries.append(value)
                 elif kind == "done":
-                    return "".join(parts), value
+                    return "".join(parts), value, entries
                 else:
                     raise value
 
@@ -351,8 +360,9 @@ class Handlers:
             gone.cancel()
         if task not in done:
             raise ApiError(499, "the client closed the connection", "client_closed")
-        text, outcome = task.result()
-        return _json(full_response(ids, text, outcome))
+        text, outcome, entries = task.result()
+        asked = job.settings.logprobs is not None
+        return _json(full_response(ids, text, outcome, entries if asked else None))
 
 
 MAX_BUFFERED = 4096  # text events a response may hold unsent; a client that far behind is cancelled

@@ -3,13 +3,15 @@ together (core/batch.py: one target decode verifies every running sequence's dra
 
 It runs on the thread that loaded the models, as Worker does. Between two steps the loop ends the generations whose
 clients left, gives waiting requests the idle sequences (each the one whose cached tokens share the longest prefix
-with its prompt, as llama-server's slot-prompt similarity), evaluates one chunk of one joining prompt, then steps
+with its prompt, as llama-server's slot-prompt similarity), evaluates up to one chunk of joining prompts, then steps
 every running generation once and sends each its text. A request that ends (end of generation, its token limit, a
 stop string, a full context, a client gone) leaves at once; a stop string rolls back its own sequence only.
 
-PREFILL_CHUNK: a joining prompt is evaluated PREFILL_CHUNK tokens between two steps, so a long prompt delays the
-running sequences' next token by one chunk's prefill (256 tokens: ~0.1-0.3 s for the demo pair on 2 CPU cores),
-not by the whole prompt; a prompt up to one chunk beyond its cached prefix joins in one go.
+PREFILL_CHUNK: joining prompts are evaluated up to PREFILL_CHUNK tokens between two steps, so a long prompt delays
+the running sequences' next token by one chunk's prefill (256 tokens: ~0.1-0.3 s for the demo pair on 2 CPU cores),
+not by the whole prompt; a prompt up to one chunk beyond its cached prefix joins in one go, and several short ones
+that fit one chunk together join before the same step (eight clients arriving at once all get their first token
+from one step, not the eighth after seven).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..core.batch import Batch
 from ..core.memory import common_prefix
 from ..drafters.registry import drafts_without_model
 from .api import ApiError, Outcome
-from .worker import Job, StopMatcher, Worker, final_outcome, reused_prefix
+from .worker import Job, StopMatcher, Worker, emit_logprobs, final_outcome, reused_prefix
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
@@ -80,7 +82,7 @@ class Scheduler(Worker):
         while not (self._stop_seen and not self.running):
             self._admit(block=not self.running)
             self._drop_cancelled()
-            self._prefill_one()
+            self._prefill_joining()
             if self.batch.live:
                 self._step()
 
@@ -120,11 +122,22 @@ class Scheduler(Worker):
         if n:
             self.metrics.prefix_copied.inc(n)
 
-    def _prefill_one(self) -> None:
-        """One chunk of the first joining prompt; its last part starts the generation in the batch."""
-        run = next((r for r in self.running if r.gen is None), None)
-        if run is None:
-            return
+    def _prefill_joining(self) -> None:
+        """Up to PREFILL_CHUNK tokens of the joining prompts, in their order: every prompt whose rest fits starts
+        its generation in the batch; the first one that does not fit gets a chunk of its own if nothing was
+        evaluated yet."""
+        budget = PREFILL_CHUNK
+        for run in [r for r in self.running if r.gen is None]:
+            n = len(run.todo) - (0 if run.session.history else run.n_reused)
+            if n > budget and budget < PREFILL_CHUNK:
+                return
+            budget -= min(n, budget)
+            self._prefill_one(run)
+            if budget <= 0:
+                return
+
+    def _prefill_one(self, run: Running) -> None:
+        """One chunk of a joining prompt; its last part starts the generation in the batch."""
         ses, job = run.session, run.job
         try:
             cut = PREFILL_CHUNK + (0 if ses.history else run.n_reused)
@@ -147,13 +160,14 @@ class Scheduler(Worker):
             results = self.batch.step()
         except Exception as e:  # noqa: BLE001 - every generation of the batch shares the failed decode
             self._fail([r for r in self.running if r.gen is not None], e)
-            self.batch = Batch()
+            self.batch = Batch(self.batch.planner)
             return
         by_gen = {id(r.gen): r for r in self.running if r.gen is not None}
         for gen, events in results:
             run = by_gen[id(gen)]
             for j, ev in enumerate(events):
                 run.n_kept += 1
+                emit_logprobs(run.job, ev, self.engine.target)
                 run.sent_chars += len(ev.text)
                 out = run.matcher.feed(ev.text)
                 if out:

@@ -23,6 +23,7 @@ from ..core.engine import Engine
 from ..core.settings import GenerationSettings
 from ..drafters.registry import drafts_without_model
 from .api import ApiError, Outcome
+from .logprob_wire import entry as logprob_entry
 
 if TYPE_CHECKING:
     from .metrics import ServerMetrics
@@ -218,6 +219,7 @@ class Worker:
         try:
             for ev in it:
                 n_kept += 1
+                emit_logprobs(job, ev, self.engine.target)
                 sent_chars += len(ev.text)
                 out = matcher.feed(ev.text)
                 if out:
@@ -230,6 +232,12 @@ class Worker:
             ses.rollback(len(job.prompt) + n_kept)
             return Outcome("stop", len(job.prompt), n_reused, n_kept, gen.stats)
         return final_outcome(job, gen, matcher, sent_chars, n_reused)
+
+
+def emit_logprobs(job: Job, ev, target) -> None:
+    """A kept token's logprobs entry, before its text (the stream attaches it to the next text chunk)."""
+    if ev.logprob is not None and not target.is_eog(ev.token):
+        job.emit(("logprobs", logprob_entry(ev, target.piece)))
 
 
 def final_outcome(job: Job, gen, matcher: StopMatcher, sent_chars: int, n_reused: int) -> Outcome:
