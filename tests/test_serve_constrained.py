@@ -56,17 +56,28 @@ def server(tmp_path_factory):
         srv.stop()
 
 
-def ask(url: str, content: str, constrained: bool, alone: bool) -> tuple[str, str, dict | None]:
-    """A greedy chat answer: (text, finish_reason, usage.speculative)."""
+def ask(url: str, content: str, constrained: bool, alone: bool):
+    """A greedy chat answer with each token's log-probability."""
     extra: dict = {"cache_prompt": False}
     if alone:
         extra["draft_max"] = 0
     kw = {"response_format": {"type": "json_schema", "json_schema": {"name": "book", "schema": SCHEMA,
                                                                      "strict": True}}} if constrained else {}
-    r = client(url).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], temperature=0,
+    return client(url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], temperature=0, logprobs=True,
         max_tokens=MAX_TOKENS if constrained else 40, extra_body=extra, **kw)
-    return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.model_extra["speculative"]
+
+
+def divergence_margin(got, want) -> float | None:
+    """Where two greedy answers first differ by a token: the gap between the two tokens' raw log-probabilities
+    there (the same prefix: a difference of logits), None where they agree. INTERFACES.md: batched and
+    single-row kernels round differently, so a near tie (a gap well under 0.5) may go either way."""
+    a, b = got.choices[0].logprobs.content, want.choices[0].logprobs.content
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x.bytes != y.bytes), None)
+    if i is None:
+        assert got.choices[0].message.content == want.choices[0].message.content
+        return None
+    return abs(b[i].logprob - a[i].logprob)
 
 
 def test_json_schema_answers_validate_are_drafted_and_equal_the_target_alone_with_free_requests_mixed(server):
@@ -76,26 +87,30 @@ def test_json_schema_answers_validate_are_drafted_and_equal_the_target_alone_wit
     asks[15:15] = [(FREE[2], False)]
     asks += [(FREE[3], False)]
     jobs = [(text, c, alone) for text, c in asks for alone in (False, True)]
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(4) as pool:  # 4 slots: constrained and free requests, drafted and not, share steps
         got = list(pool.map(lambda j: ask(server.url, *j), jobs))
     answers = dict(zip(jobs, got))
-    n_valid = 0
+    n_valid = n_same = 0
     for text, constrained in asks:
-        (spec_text, spec_finish, spec), (want, want_finish, _) = answers[(text, constrained, False)], \
-            answers[(text, constrained, True)]
-        assert (spec_text, spec_finish) == (want, want_finish), text
-        assert spec["n_drafted"] > 0, text
+        spec_r, alone_r = answers[(text, constrained, False)], answers[(text, constrained, True)]
+        margin = divergence_margin(spec_r, alone_r)
+        assert margin is None or margin < 0.5, (text, margin)
+        n_same += margin is None
+        spec = spec_r.usage.model_extra["speculative"]
+        assert spec["n_drafted"] > 0 and spec["constrained"] == constrained, text
+        out = spec_r.choices[0].message.content
         if not constrained:
-            assert "constrained" not in spec and len(set(spec_text.split())) > 3
+            assert len(set(out.split())) > 3
             continue
-        assert spec_finish == "stop", spec_text
-        jsonschema.validate(json.loads(spec_text), SCHEMA)
+        for r in (spec_r, alone_r):
+            assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+            jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
         n_valid += 1
-        c = spec["constrained"]
         # the draft model drafted under the grammar and the target accepted some: not only forced tokens
-        assert c["n_drafted"] > 0 and c["n_accepted"] > 0 and c["n_masks"] > 0, c
+        assert spec["n_drafted_constrained"] > 0 and spec["n_accepted_constrained"] > 0 and spec["n_masks"] > 0
     assert n_valid >= 20
-    assert len({answers[(t, True, False)][0] for t, c in asks if c}) > 10  # not one answer for every prompt
+    assert n_same >= len(asks) - 2  # token-identical but for a near tie or two
+    assert len({answers[(t, True, False)].choices[0].message.content for t, c in asks if c}) > 10
 
 
 def test_a_grammar_and_json_object_constrain_the_answer(server):

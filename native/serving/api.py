@@ -355,12 +355,12 @@ def usage(o: Outcome) -> dict:
                 "tokens_per_s": round(st.tokens_per_s, 3)}
         if o.shared_time is not None:
             spec["shared_time"] = o.shared_time
+        spec["constrained"] = st.constrained  # INTERFACES.md: a bool
         if st.constrained:  # acceptance in the steps under the constraint, and what masking cost
             n = st.n_drafted_constrained
-            spec["constrained"] = {"n_drafted": n, "n_accepted": st.n_accepted_constrained,
-                                   "accept_rate": st.n_accepted_constrained / n if n else None,
-                                   "n_masks": st.n_masks, "n_masked_rows": st.n_masked_rows,
-                                   "mask_ms": round(st.mask_ms, 3)}
+            spec.update(n_drafted_constrained=n, n_accepted_constrained=st.n_accepted_constrained,
+                        accept_rate_constrained=st.n_accepted_constrained / n if n else None, n_masks=st.n_masks,
+                        n_masked_rows=st.n_masked_rows, mask_ms=round(st.mask_ms, 3))
     return {"prompt_tokens": o.n_prompt, "completion_tokens": o.n_completion,
             "total_tokens": o.n_prompt + o.n_completion, "prompt_tokens_details": {"cached_tokens": o.n_reused},
             "speculative": spec}
