@@ -182,6 +182,20 @@ def test_a_draft_drafting_under_the_grammar_keeps_the_law_where_the_grammar_allo
     assert chi2_pvalue(counts, {int(t): float(law[t]) for t in np.flatnonzero(law > 0)}) > 0.001
 
 
+def test_match_falls_back_to_rejection_under_a_constraint(tiny_target, tiny_close):
+    # llama.cpp's chain samples the raw logits: under a grammar "match" (and plain sampling) become rejection
+    # sampling on the masked rows, with the draft or without
+    with Engine(tiny_target, tiny_close, ctx=128, threads=1) as e:
+        toks = e.tokenize(PROMPT)
+        s = GenerationSettings(n_predict=12, draft_max=3, temp=0.8, accept="match", constraint=constrained(e, ABC))
+        for speculative in (True, False):
+            g = e.session().generate(toks, s, speculative=speculative).run()
+            pieces = [e.target.piece(t) for t in g.tokens if not e.target.is_eog(t)]
+            assert pieces and all(set(p) <= set(b"abc") for p in pieces)
+            assert g.sampling.mode == "rejection" and g.stats.n_masked_rows > 0
+        assert g.stats.accept_mode == "sample"  # the target alone reports plain sampling
+
+
 def test_the_request_fields_become_constraints():
     from specq.native.serving.api import ApiError, parse_constraint
 

@@ -106,8 +106,9 @@ def test_json_schema_answers_validate_are_drafted_and_equal_the_target_alone_wit
             assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
             jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
         n_valid += 1
-        # the draft model drafted under the grammar and the target accepted some: not only forced tokens
+        # the draft model drafted under the grammar, also where it left a choice, and the target accepted some
         assert spec["n_drafted_constrained"] > 0 and spec["n_accepted_constrained"] > 0 and spec["n_masks"] > 0
+        assert spec["n_drafted_unforced"] > 0
     assert n_valid >= 20
     # token-identical but where a near tie went the other way (three of 26 on a loaded machine, all under 0.5)
     assert n_same >= len(asks) * 3 // 4
@@ -123,6 +124,18 @@ def test_a_grammar_and_json_object_constrain_the_answer(server):
                              max_tokens=40, extra_body={"response_format": {"type": "json_object"}})
     assert r.choices[0].finish_reason == "stop", r.choices[0].text
     assert isinstance(json.loads(r.choices[0].text), dict)
+
+
+def test_a_stop_string_stops_a_constrained_answer(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "b", "schema": SCHEMA}}
+    c = client(server.url)
+    whole = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Describe a book as JSON."}],
+                                      temperature=0, max_tokens=MAX_TOKENS, response_format=fmt)
+    text = whole.choices[0].message.content
+    assert '"author"' in text
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Describe a book as JSON."}],
+                                  temperature=0, max_tokens=MAX_TOKENS, response_format=fmt, stop=['"author"'])
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (text[:text.index('"author"')], "stop")
 
 
 def test_a_constrained_answer_cut_by_max_tokens_ends_with_length(server):

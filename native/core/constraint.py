@@ -164,6 +164,8 @@ class Guide:
         self._clock = clock
         self.n_masks = 0  # masks computed (each position once)
         self.n_cut = 0  # proposals cut at a token the grammar forbids
+        self.n_unforced = 0  # drafted tokens proposed where the grammar allowed more than one token
+        self._choice: dict[int, bool] = {}  # by position: whether its mask allows more than one token
         self.n_rows = 0  # logits rows masked (draft and target)
         self.mask_s = 0.0
 
@@ -182,6 +184,7 @@ class Guide:
         self._ok = n
         for k in [k for k in self._masks if k < n]:
             del self._masks[k]
+            self._choice.pop(k, None)
         j = 0
         while j < i and n + j < len(self.seen) and self.seen[n + j] == drafts[j]:
             j += 1
@@ -221,6 +224,7 @@ class Guide:
         del seen[n:]
         for k in [k for k in self._masks if k > n]:
             del self._masks[k]
+            self._choice.pop(k, None)
         self._ok = min(self._ok, n)
 
     # ---- masks -----------------------------------------------------------------------------------------
@@ -264,6 +268,11 @@ class Guide:
             if a is not None and not (t < len(a) and a[t]):
                 self.n_cut += 1
                 return i
+            if a is not None:
+                k = len(self.seen)
+                if k not in self._choice:
+                    self._choice[k] = int(np.count_nonzero(a)) > 1
+                self.n_unforced += self._choice[k]
         return len(drafts)
 
     @property

@@ -74,6 +74,7 @@ def make_stats(self: Generation, stop: str, gen_s: float) -> GenerationStats:
         n_drafted_by=tuple(sorted(p.drafted_by.items())), n_accepted_by=tuple(sorted(p.accepted_by.items())),
         constrained=guide is not None, n_drafted_constrained=p.c_drafted, n_accepted_constrained=p.c_accepted,
         n_masked_rows=guide.n_rows if guide else 0, n_masks=guide.n_masks if guide else 0,
+        n_drafted_unforced=guide.n_unforced if guide else 0,
         mask_ms=guide.mask_s * 1e3 if guide else 0.0)
 
 

@@ -82,6 +82,7 @@ class GenerationStats(Rates):
     n_drafted_constrained: int = 0
     n_accepted_constrained: int = 0
     n_masks: int = 0
+    n_drafted_unforced: int = 0  # drafted tokens proposed where the grammar allowed more than one token
     n_masked_rows: int = 0
     mask_ms: float = 0.0
 

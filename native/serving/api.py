@@ -359,7 +359,8 @@ def usage(o: Outcome) -> dict:
         if st.constrained:  # acceptance in the steps under the constraint, and what masking cost
             n = st.n_drafted_constrained
             spec.update(n_drafted_constrained=n, n_accepted_constrained=st.n_accepted_constrained,
-                        accept_rate_constrained=st.n_accepted_constrained / n if n else None, n_masks=st.n_masks,
+                        accept_rate_constrained=st.n_accepted_constrained / n if n else None,
+                        n_drafted_unforced=st.n_drafted_unforced, n_masks=st.n_masks,
                         n_masked_rows=st.n_masked_rows, mask_ms=round(st.mask_ms, 3))
     return {"prompt_tokens": o.n_prompt, "completion_tokens": o.n_completion,
             "total_tokens": o.n_prompt + o.n_completion, "prompt_tokens_details": {"cached_tokens": o.n_reused},
