@@ -27,11 +27,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from specq.native.control.expected import expected_tokens_per_pass  # noqa: E402
+from specq.native.control.batch_plan import BatchPlanner  # noqa: E402
 from specq.native.core.batch import Batch  # noqa: E402
 from specq.native.core.engine import Engine  # noqa: E402
 from specq.native.core.settings import GenerationSettings  # noqa: E402
 
 PROMPTS = Path(__file__).parent / "prompts" / "adaptive12.jsonl"
+PLANNERS: dict = {}
 
 
 def timed(fn, repeat: int) -> float:
@@ -70,7 +72,7 @@ def costs(e: Engine, b: int, ks: list[int], prefix: int, repeat: int) -> dict:
 def run_batch(e: Engine, b: int, prompts: list[list[int]], k, n: int) -> tuple[float, list]:
     """k: a fixed length (0: the target alone), "auto" (the batch's cost model caps the sequences' own lengths,
     control/batch_plan.py) or "auto-own" (each sequence's controller alone, as before the batch's model)."""
-    batch, gens = Batch(), []
+    batch, gens = Batch(PLANNERS.setdefault((b, k), BatchPlanner())), []  # kept across runs, as a server keeps it
     batch.plan_lengths = k != "auto-own"
     for i in range(b):
         ses = e.session(i)
@@ -119,7 +121,8 @@ def main() -> None:
                     measured[k].append(run_batch(e, b, prompts, k, a.n_predict)[0])
             row = {"batch": b, "verify_s": c["verify"], "draft_s": c["draft"], "alpha": alpha,
                    "predicted_tokens_per_s": pred, "predicted_best_k": max(pred, key=pred.get),
-                   "measured_tokens_per_s": {str(k): statistics.median(v) for k, v in measured.items()}}
+                   "measured_tokens_per_s": {str(k): statistics.median(v) for k, v in measured.items()},
+                   "measured_runs": {str(k): v for k, v in measured.items()}}
             row["measured_best_k"] = max(row["measured_tokens_per_s"], key=row["measured_tokens_per_s"].get)
             rows.append(row)
             print(f"B={b}: predicted best k {row['predicted_best_k']} "

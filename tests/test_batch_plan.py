@@ -87,15 +87,25 @@ def test_fixed_lengths_are_kept_and_counted():
     assert ks[0] == 4 and len(set(ks[1:])) == 1 and ks[1] <= 1  # one cap for the adaptive ones
 
 
-def test_plain_batch_probes_again_and_backs_off():
+def test_plain_batch_probes_one_sequence_within_a_budget_and_backs_off():
     p = planner_with(cpu_verify, draft)
     p.probe_min = p.probe_gap = 4
-    seen = [p.plan(wishes(16))[0] for _ in range(12)]
-    assert seen.count(1) == 2 and p.n_probes == 2  # after 4 plain steps, then again
-    # a probe that lost doubles the gap
-    p.probing = True
-    p.observe(wishes(16), [1] * 16, [1] * 16, 16 * draft(16) / 1e3, cpu_verify(32) / 1e3, 0.0)
-    assert p.probe_gap == 8
+    p.elapsed_s = 100.0  # the batch has run 100 s: 3 s of probes fit
+    ws = [Wish(6, adaptive=True, decodes=True, alphas=ALPHAS, behind=20 + i % 5) for i in range(16)]
+    ws[9] = Wish(6, adaptive=True, decodes=True, alphas=ALPHAS, behind=2)  # its draft is nearly caught up
+    seen = [p.plan(ws) for _ in range(12)]
+    probes = [ks for ks in seen if any(ks)]
+    assert len(probes) == 2 and p.n_probes == 2  # after 4 plain steps, then again
+    assert all(ks == [0] * 9 + [1] + [0] * 6 for ks in probes)  # one token, by the sequence least behind
+    # a probe that lost doubles the gap and books its extra
+    p.probing, p._plain_s = True, cpu_verify(16) / 1e3
+    p.observe(ws, [0] * 9 + [1] + [0] * 6, [1] * 16, draft(2) / 1e3, cpu_verify(17) / 1e3, 0.0)
+    assert p.probe_gap == 8 and p.spent_s > 0
+    # with the budget spent, no probe runs
+    p.spent_s = 3.0
+    for _ in range(40):
+        assert not any(p.plan(ws))
+    assert p.n_refused > 0
 
 
 # ---- end to end, on a simulated clock ---------------------------------------------------------------------
@@ -132,9 +142,8 @@ def test_where_rows_cost_the_batch_drafts_less_and_goes_faster_exactly(tiny_targ
     assert toks == want == toks_own
     assert all(len(set(t)) > 5 for t in want)
     assert pl.n_plain > 0 and pl.n_capped > 0  # it stopped drafting the sequences wished, by its own costs
-    assert sum(g.stats.n_drafted for g in gens) < sum(g.stats.n_drafted for g in gens_own)
-    assert sum(g.stats.n_drafted for g in gens) > 0  # (its probes)
-    assert rate_planned > 1.02 * rate_own
+    assert sum(g.stats.n_drafted for g in gens) > 0
+    assert rate_planned > 1.03 * rate_own
 
 
 def test_where_rows_are_cheap_the_batch_keeps_drafting(tiny_target, tiny_close):
@@ -142,7 +151,7 @@ def test_where_rows_are_cheap_the_batch_keeps_drafting(tiny_target, tiny_close):
     _, rate_own, _, _ = batch_run(tiny_target, tiny_close, per_row=0.02, plan=False)
     assert toks == alone(tiny_target, PROMPTS, [48] * 4)
     assert sum(g.stats.n_drafted for g in gens) > 40 and pl.n_plain < pl.n_steps // 10
-    assert rate_planned >= rate_own
+    assert rate_planned > 1.1 * rate_own  # (the sequences' own lengths were priced on costs measured alone)
 
 
 def test_a_shared_step_teaches_a_sequence_its_acceptance_not_the_batchs_costs():
@@ -152,3 +161,39 @@ def test_a_shared_step_teaches_a_sequence_its_acceptance_not_the_batchs_costs():
     tried = ctrl.acceptance.tried
     ctrl.observe(StepOutcome(4, 4, 0.002, 0.500, 0.0, shared=True))  # in a batch: 500 ms for everyone's rows
     assert ctrl.v_mean == {2: pytest.approx(0.020)} and ctrl.acceptance.tried > tried
+
+
+def test_sequences_joining_a_batch_that_does_not_draft_leave_the_draft_alone(tiny_target, tiny_close):
+    """Once the batch's own costs say plain, a joining sequence's prefill takes no calibration timings or prompt
+    agreement and its draft does not read the prompt (it would catch up if the batch drafted again): the draft
+    model decodes only for the batch's probes. While the batch knows nothing of the draft, one joiner of a burst
+    gets its draft ready (its timings price the draft), not all. Output exact."""
+    want = alone(tiny_target, PROMPTS, [48] * 4)
+    calls = {"draft": 0, "target": 0}
+    steep = clock_with(1.0).cost  # every row costs a token: drafting never pays in a batch
+
+    def cost(name: str, n: int, pos0: int = 0) -> float:
+        calls[name] += 1
+        return steep(name, n, pos0)
+
+    clock = SimulatedClock(cost)
+    planner = BatchPlanner()
+    with Engine(tiny_target, tiny_close, ctx=512, threads=1, parallel=4, clock=clock) as e:
+        for rnd in range(2):
+            b = Batch(planner)
+            gens = [e.session(i).generate(e.tokenize(p), GenerationSettings(n_predict=48, draft_max="auto"))
+                    for i, p in enumerate(PROMPTS)]
+            calls.update(draft=0, target=0)
+            probes0 = planner.n_probes
+            for g in gens:
+                b.add(g)
+            b.run()
+            assert [g.tokens for g in gens] == want
+            if rnd == 0:  # the batch knew nothing of the draft: one sequence got its draft ready, to price it
+                assert not planner.drafting and planner.knows_draft and b.n_unprepared == 3 and calls["draft"] > 0
+        # the first joiner (an empty batch: it may run alone) reads its prompt in a few decodes; then only probes
+        assert b.n_unprepared == 3 and calls["draft"] <= 6 + 2 * (planner.n_probes - probes0)
+        # one verify a step, one prefill decode for each joiner (no timed spans), but the first: it joined an
+        # empty batch, where it may run alone (its controller's timings: a few single decodes)
+        assert 4 + b.n_steps < calls["target"] <= 4 + b.n_steps + 3
+        assert all(len(g.session.dft.tokens) < len(g.session.history) // 2 for g in gens if not g.stats.n_drafted)

@@ -15,8 +15,10 @@ every drafting sequence's catch-up (the tokens it has not seen: what its last st
 while the j-th (j ≥ 2) reads one row of each of the mⱼ sequences drafting a j-th token. V and d are the batch's own measurements (costs.TargetCosts keyed by rows), at the batch's mean
 context. Where a verify is cheap in its rows (a GPU) c stays at the sequences' own lengths; where every extra row
 costs (a CPU) c falls as the batch grows, to 0. Sequences with a fixed draft length keep it (they are counted,
-not capped). While c = 0 wins, a probe of one token runs after `probe_gap` plain steps (doubling while probes
-lose) so that the estimates for drafting stay current.
+not capped). While c = 0 wins, a probe runs after `probe_gap` plain steps (doubling while probes lose): one token
+drafted by ONE sequence, the one whose draft is least behind (a draft model that sat out a plain stretch must read
+every token since, and eight such catch-ups at once cost seconds on a CPU), and only where its predicted extra cost
+fits `probe_share` of the batch's time so far, so that the estimates for drafting stay current at a bounded price.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Wish:
 class BatchPlanner:
     """Caps the adaptive sequences' drafts of a batched step (see the module's docstring)."""
 
-    def __init__(self, ema: float = 0.2, probe_min: int = 16, probe_max: int = 256):
+    def __init__(self, ema: float = 0.2, probe_min: int = 16, probe_max: int = 256, probe_share: float = 0.03):
         self.verify = TargetCosts(ema)  # V(R): one target decode of R rows, all sequences together
         self.draft = TargetCosts(ema)  # d(m): one draft decode of m rows (a draft position of m sequences)
         self.overhead = 0.0
@@ -61,6 +63,13 @@ class BatchPlanner:
         self.n_capped = 0  # steps where some sequence drafted less than it wished
         self.n_plain = 0  # steps where the batch stopped all drafting that the sequences wished
         self.n_probes = 0
+        self.probe_share = probe_share
+        self.elapsed_s = 0.0  # every batched step's time
+        self.spent_s = 0.0  # what probes cost beyond plain steps (measured)
+        self.n_refused = 0  # probes not run: their predicted extra did not fit
+        self._plain_s = 0.0  # the predicted plain step a probe replaced
+        self.draft_ratio = 0.2  # until a draft decode was measured: it costs this share of a target decode as large
+        self.last_c = 0  # the last choice (before any probe)
 
     def at(self, n_ctx: int) -> None:
         """The batch's mean context."""
@@ -68,18 +77,48 @@ class BatchPlanner:
         self.draft.at(n_ctx)
 
     # -- the decision ------------------------------------------------------------------------------------------
-    def step_s(self, wishes: Sequence[Wish], ks: Sequence[int]) -> float:
-        """The predicted time of a step drafting ks."""
+    def step_s(self, wishes: Sequence[Wish], ks: Sequence[int], steady: bool = False) -> float:
+        """The predicted time of a step drafting ks; `steady`: with every catch-up at most what one step emits (a
+        long catch-up is paid once, not every step: the choice of c looks past it)."""
         drafting = sorted((k for w, k in zip(wishes, ks) if w.decodes and k > 0), reverse=True)
         d = 0.0
         if drafting:
-            d = self.draft.verify_s(sum(w.behind for w, k in zip(wishes, ks) if w.decodes and k > 0))
-            d += sum(self.draft.verify_s(sum(1 for k in drafting if k >= j)) for j in range(2, drafting[0] + 1))
+            d = self.draft_s(sum(min(w.behind, k + 1) if steady else w.behind
+                                 for w, k in zip(wishes, ks) if w.decodes and k > 0))
+            d += sum(self.draft_s(sum(1 for k in drafting if k >= j)) for j in range(2, drafting[0] + 1))
         return d + self.verify.verify_s(sum(k + 1 for k in ks)) + self.overhead
+
+    def draft_s(self, rows: int) -> float:
+        """d(rows) at the current context: measured; between measured sizes on the line through the nearest two
+        (beyond them on the last segment's, never falling); one size measured: that, grown as the target's decode
+        grows from that many rows to `rows` (a draft model's batch grows like its target's); none: draft_ratio of
+        the target's decode of as many rows."""
+        band = self.draft.band if self.draft.band.v_mean else self.draft.nearest(lambda c: bool(c.v_mean))
+        if band is None:
+            return self.draft_ratio * self.verify.verify_s(rows)
+        pts = sorted(band.v_mean.items())
+        if rows in band.v_mean:
+            return band.v_mean[rows]
+        if len(pts) == 1:
+            (b0, v0), = pts
+            return v0 * self.verify.verify_s(rows) / self.verify.verify_s(b0)
+        i = min(max(sum(1 for b, _ in pts if b < rows), 1), len(pts) - 1)
+        (b0, v0), (b1, v1) = pts[i - 1], pts[i]
+        return max(v0 + max(v1 - v0, 0.0) * (rows - b0) / (b1 - b0), 1e-9)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether the last choice drafted."""
+        return self.last_c > 0
+
+    @property
+    def knows_draft(self) -> bool:
+        """Whether a draft decode's cost was measured (or seeded from a sequence's timings)."""
+        return any(c.v_mean for c in self.draft.bands.values())
 
     def rate(self, wishes: Sequence[Wish], c: int) -> float:
         ks = self.capped(wishes, c)
-        return sum(w.expected(k) for w, k in zip(wishes, ks)) / self.step_s(wishes, ks)
+        return sum(w.expected(k) for w, k in zip(wishes, ks)) / self.step_s(wishes, ks, steady=True)
 
     @staticmethod
     def capped(wishes: Sequence[Wish], c: int) -> list[int]:
@@ -91,21 +130,48 @@ class BatchPlanner:
         if top == 0:
             return [w.k for w in wishes]
         self.n_steps += 1
-        best_c = max(range(top + 1), key=lambda c: (self.rate(wishes, c), c))
+        best_c, best = 0, self.rate(wishes, 0)
+        for c in range(1, top + 1):  # (the rate rises to its peak and falls: stop two lengths past it)
+            r = self.rate(wishes, c)
+            if r >= best:
+                best_c, best = c, r
+            elif c >= best_c + 2:
+                break
+        self.last_c = best_c
+        ks = self.capped(wishes, best_c)
         if best_c == 0:
             self.plain_streak += 1
-            if self.plain_streak > self.probe_gap:
-                self.plain_streak, self.probing = 0, True
-                self.n_probes += 1
-                best_c = 1
+            probe = self._probe(wishes) if self.plain_streak > self.probe_gap else None
+            if probe is not None:
+                ks = probe
             else:
                 self.n_plain += 1
         else:
             self.plain_streak = 0
             self.probe_gap = self.probe_min
-        ks = self.capped(wishes, best_c)
         if ks != [w.k for w in wishes]:
             self.n_capped += 1
+        return ks
+
+    def _probe(self, wishes: Sequence[Wish]) -> list[int] | None:
+        """One drafted token for the adaptive sequence whose draft is least behind, where its predicted extra
+        cost over a plain step fits the probe budget (None: no probe now)."""
+        plain = self.capped(wishes, 0)
+        who = [i for i, w in enumerate(wishes) if w.adaptive and w.k > 0]
+        if not who:
+            return None
+        i = min(who, key=lambda i: (wishes[i].behind if wishes[i].decodes else 0, -expected_tokens(wishes[i].alphas, 1)))
+        ks = list(plain)
+        ks[i] = 1
+        plain_s = self.step_s(wishes, plain)
+        extra = self.step_s(wishes, ks) - plain_s
+        self.plain_streak = 0
+        if self.spent_s + extra > self.probe_share * self.elapsed_s:
+            self.n_refused += 1
+            self.probe_gap = min(2 * self.probe_gap, self.probe_max)
+            return None
+        self.probing, self._plain_s = True, plain_s
+        self.n_probes += 1
         return ks
 
     # -- measurements ------------------------------------------------------------------------------------------
@@ -122,16 +188,21 @@ class BatchPlanner:
             if later and loop_s > 0:
                 self.draft.observe(round(sum(later) / len(later)), loop_s / len(later))
         self.overhead = running_mean(self.overhead, overhead_s, self.ema)
-        if self.probing:  # did the probe emit more per second than a plain step of the batch would?
+        step_s = draft_s + verify_s + overhead_s
+        self.elapsed_s += step_s
+        if self.probing:  # did the probe emit more per second than the plain step it replaced would have?
             self.probing = False
-            plain_rate = len(wishes) / self.step_s(wishes, [0] * len(wishes))
-            gained = sum(emitted) / (draft_s + verify_s + overhead_s) > plain_rate
-            self.probe_gap = self.probe_min if gained else min(2 * self.probe_gap, self.probe_max)
+            extra = step_s - self._plain_s * sum(emitted) / len(wishes)
+            self.spent_s += extra
+            self.probe_gap = self.probe_min if extra < 0 else min(2 * self.probe_gap, self.probe_max)
 
-    def seed(self, verify_s: dict[int, float], draft_s: float | None, n_ctx: int) -> None:
+    def seed(self, verify_s: dict[int, float], draft_ratio: float, draft_token_s: float | None, n_ctx: int) -> None:
         """Until the batch has measured them, price its decodes as a sequence measured them alone: verifies by
-        size (a line through them extends to the batch's rows) and one drafted token (any m rows)."""
+        size (a line through them extends to the batch's rows), a draft token as timed (where one was: a draft
+        decode of any rows costs that until more is measured), else a draft decode as `draft_ratio` of a target
+        decode as large (the drafter's prior)."""
         for b, v in verify_s.items():
             self.verify.calibrate(n_ctx, v, b)
-        if draft_s is not None:
-            self.draft.calibrate(n_ctx, draft_s)
+        self.draft_ratio = draft_ratio
+        if draft_token_s is not None:
+            self.draft.calibrate(n_ctx, draft_token_s)

@@ -107,10 +107,14 @@ def _length_controller(g: Generation, drafter: str | None) -> AdaptiveDraft | No
 
 
 def wish(g: Generation, plan: tuple[int, tuple[str, ...] | None]) -> Wish:
-    """A generation's part of a batched step for the planner: how far it would draft, whether that may be
-    shortened (draft_max auto), whether its drafter decodes (a draft model), its acceptance by position."""
+    """A generation's part of a batched step for the planner: how far it may draft, whether the planner chooses
+    that length (draft_max auto: up to the step's room, whatever its own controller chose on costs measured alone,
+    which a shared step does not have; under --drafter auto only where its chooser picked a drafter), whether its
+    drafter decodes (a draft model), its acceptance by position."""
     k, drafters = plan
     ses = g.session
+    if g.settings.adaptive and g.controller is not None and drafters != ():
+        k = g.draft_limit if not isinstance(g.controller, AdaptiveDrafters) else k
     names = ses.available_drafters(g.settings) if drafters is None else drafters
     d = ses.drafters.get(names[0]) if names and k > 0 else None
     decodes = d is not None and not d.on_match_only
@@ -134,12 +138,24 @@ class Batch:
         self.most_in_a_step = 0  # the most sequences one step carried
         self.planner = BatchPlanner() if planner is None else planner
         self.plan_lengths = True
+        self.prepared: set[int] = set()  # (ids of) live generations whose drafts were got ready (add)
+        self.n_unprepared = 0  # joiners whose drafts were left alone
 
     def add(self, gen: Generation) -> None:
+        """Evaluate a generation's prompt and make it live. Its draft is got ready (calibration timings, prompt
+        agreement, and after the first token the prompt read) where it may run alone, where the batch drafts, and
+        — while the batch knows nothing of the draft's cost — for one sequence, whose timings price it; else the
+        draft reads the prompt as a catch-up when the batch first lets it draft (at high load maybe never)."""
         seqs = {g.session.seq for g in self.live}
         if gen.session.seq in seqs:
             raise ValueError(f"sequence {gen.session.seq} already runs a generation in this batch")
-        gen.start()
+        pl = self.planner
+        prepare = not self.live or pl.drafting or not pl.knows_draft and not self.prepared
+        gen.start(prepare=prepare)
+        if prepare:
+            self.prepared.add(id(gen))
+        else:
+            self.n_unprepared += 1
         self.live.append(gen)
 
     def step(self) -> list[tuple[Generation, list[TokenEvent]]]:
@@ -149,6 +165,7 @@ class Batch:
         for g in self.live:
             plan = g.plan()
             if plan is None:
+                self.prepared.discard(id(g))
                 g.conclude()
                 out.append((g, []))
             else:
@@ -170,11 +187,12 @@ class Batch:
                 loop_s = max(((x.draft_token_s or 0.0) * (x.n_drafted - 1) for x in results), default=0.0)
                 self.planner.observe(wishes, [x.n_drafted for x in results], [len(x.emitted) for x in results],
                                      r.draft_s, r.verify_s, clock() - t0 - r.draft_s - r.verify_s, loop_s)
-            for g in going:  # a first token is out (or, here, ready): the draft reads the prompt now
-                g.after_delivery()
+            for g in going:  # a first token is out (or, here, ready): a prepared draft reads the prompt now
+                g.after_delivery(read=len(going) == 1 or id(g) in self.prepared or self.planner.drafting)
             for g in going:
                 if g.ended:  # it leaves at once: its stats are final, its sequence free
                     self.live.remove(g)
+                    self.prepared.discard(id(g))
                     g.conclude()
         return out
 
@@ -185,8 +203,8 @@ class Batch:
         for g, w in zip(going, wishes):
             ctrl = _length_controller(g, None)
             if w.adaptive and ctrl is not None:
-                measured = ctrl.t_draft if ctrl.t_draft is not None else ctrl.t_first
-                pl.seed(ctrl.target.band.v_mean, measured, pl.verify.n_ctx)
+                timed = ctrl.t_first if ctrl.t_first is not None else ctrl.t_draft
+                pl.seed(ctrl.target.band.v_mean, ctrl.draft.ratio_prior, timed, pl.verify.n_ctx)  # (until measured)
                 break
         ks = pl.plan(wishes)
         return [(k, drafters) for k, (_, drafters) in zip(ks, plans)]
@@ -194,6 +212,7 @@ class Batch:
     def cancel(self, gen: Generation) -> None:
         """End a generation now, between steps (its memories rewound to its history)."""
         self.live.remove(gen)
+        self.prepared.discard(id(gen))
         gen.conclude()
 
     def run(self) -> None:

@@ -47,23 +47,23 @@ def window_counts(ses: Session) -> tuple[int, int, int]:
     return (r.n_slides, r.trial.n_trials, r.trial.n_reverts) if r is not None else (0, 0, 0)
 
 
-def make_stats(self: Generation, stop: str, gen_s: float) -> GenerationStats:
-    """A generation's stats so far (`stop`: its stop reason, or "running")."""
-    p, s, ctrl, samp = self._p, self.settings, self.controller, self._samp
+def make_stats(g: Generation, stop: str, gen_s: float) -> GenerationStats:
+    """A generation's stats as they stand (its counters since start)."""
+    p, s, ctrl, samp = g._p, g.settings, g.controller, g._samp
     guide = samp.guide if samp is not None else None
-    slides, trials, reverts = window_counts(self.session)
+    slides, trials, reverts = window_counts(g.session)
     return GenerationStats(
-        speculative=self.speculative, n_prompt=len(self.new_tokens), n_generated=len(self.tokens),
+        speculative=g.speculative, n_prompt=len(g.new_tokens), n_generated=len(g.tokens),
         n_steps=p.n_steps, n_drafted=p.n_drafted, n_accepted=sum(p.accepted),
-        accepted_per_pos=tuple(accepted_per_position(p.accepted, s.draft_cap)) if self.speculative else (),
+        accepted_per_pos=tuple(accepted_per_position(p.accepted, s.draft_cap)) if g.speculative else (),
         prompt_ms=p.prompt_s * 1e3, draft_ms=p.draft_s * 1e3, verify_ms=p.verify_s * 1e3,
-        gen_ms=gen_s * 1e3, decode_ms=(self._decode_s() - p.decode0) * 1e3,
-        n_restores=self.session.n_restores - p.restores0, n_rollbacks=self.session.n_rollbacks - p.rollbacks0,
+        gen_ms=gen_s * 1e3, decode_ms=(g._decode_s() - p.decode0) * 1e3,
+        n_restores=g.session.n_restores - p.restores0, n_rollbacks=g.session.n_rollbacks - p.rollbacks0,
         n_draft_slides=slides - p.slides0,
-        draft_window=reader_window(self.session) if self.speculative else None,
+        draft_window=reader_window(g.session) if g.speculative else None,
         n_window_trials=trials - p.trials0, n_window_reverts=reverts - p.reverts0,
         stop_reason=stop,
-        accept_mode=(samp.mode if samp else "greedy") if self.speculative else (
+        accept_mode=(samp.mode if samp else "greedy") if g.speculative else (
             "greedy" if s.temp <= 0 else "sample"),
         sample_ms=samp.sample_s * 1e3 if samp else 0.0,
         n_plain_steps=ctrl.n_plain_steps - p.plain0 if ctrl else 0,
@@ -89,6 +89,7 @@ class Generation:
         self.speculative = speculative
         self.stats: GenerationStats | None = None
         self.controller: AdaptiveDraft | None = None  # draft_max="auto": its final estimates (for tune)
+        self.draft_limit = 0  # the last step's room to draft (_plan)
         self.tokens: list[int] = []
         self._text: list[str] = []
         self._p = Progress()
@@ -112,9 +113,6 @@ class Generation:
     def text(self) -> str:
         return "".join(self._text)
 
-    def _make_stats(self, stop: str, gen_s: float) -> GenerationStats:
-        return make_stats(self, stop, gen_s)
-
     def _decode_s(self) -> float:
         return sum(c.decode_s for c in self._ctxs) + (self.session.decode_s if self.speculative else 0.0)
 
@@ -123,7 +121,7 @@ class Generation:
         if self.stats is not None:
             return self.stats
         t0 = self._p.t_gen0
-        return self._make_stats("running", 0.0 if t0 is None else self._clock() - t0)
+        return make_stats(self, "running", 0.0 if t0 is None else self._clock() - t0)
 
     def __iter__(self) -> Iterator[TokenEvent]:
         self.start()
@@ -138,12 +136,13 @@ class Generation:
             self.conclude()
 
     # ---- the loop's pieces: a batch of sequences (core/batch.py) runs them itself, one step for all ----
-    def start(self) -> None:
-        """Evaluate the prompt and get ready for the first step."""
+    def start(self, prepare: bool = True) -> None:
+        """Evaluate the prompt and get ready for the first step. `prepare` False (joining a batch that is not
+        drafting, core/batch.py): no calibration timings or prompt agreement, the prompt in one decode."""
         ses, s, p = self.session, self.settings, self._p
         self._stop = "interrupted"  # until the loop ends by itself
         self._done = self._first = False
-        self._prefill()
+        self._prefill(prepare)
         self._samp = Sampling(s, self.speculative, None if s.constraint is None else
                               Guide(s.constraint, ses.engine.target, self.tokens, self._clock))
         if self.controller is not None:
@@ -183,11 +182,16 @@ class Generation:
             self._stop, self._done = done, True
         return events
 
-    def after_delivery(self) -> None:
-        """Once the first token is out: the draft's side of the prefill (_read_prompt)."""
+    def after_delivery(self, read: bool = True) -> None:
+        """Once the first token is out: the draft's side of the prefill (_read_prompt); `read` False (a sequence
+        in a batch of several, core/batch.py): not now — its draft reads the prompt as a catch-up when the batch
+        first lets it draft, which at high load may be never."""
         if self._first and not self._done:
             self._first = False
-            self._read_prompt()
+            if read:
+                self._read_prompt()
+            else:
+                self.session.drop_reader_prefill()
 
     @property
     def ended(self) -> bool:
@@ -216,7 +220,7 @@ class Generation:
             return "ctx"
         return None
 
-    def _prefill(self) -> None:
+    def _prefill(self, prepare: bool = True) -> None:
         """Evaluate the prompt on the target (the draft's side waits for the first token: _read_prompt). Where
         nothing was measured at this context yet, the prefill times single tokens on each model, so that the first
         speculative step is priced at this context (at thousands of tokens attention changes the costs). Before the
@@ -235,13 +239,14 @@ class Generation:
         # the prompt's rows tell the acceptance where verification has a law for it: greedy, or rejection sampling
         sampled = s if s.accept_mode == "rejection" else None
         self._wants = (greedy_reader or ctrl is not None and self._reader is not None and sampled is not None) \
-            and ctrl.wants_agreement()
+            and ctrl.wants_agreement() and prepare
         # --ctx-draft auto: at a long context, whether a draft window would be faster (drafters/window.py)
-        self._trial = greedy_reader and self._reader.trial.due(len(self.new_tokens))
+        self._trial = greedy_reader and prepare and self._reader.trial.due(len(self.new_tokens))
         has_reader = self._reader is not None
         ses.prefill_target(self.new_tokens,
                            timed=(lambda first, last: ctrl.calibration_points(first, last, has_reader))
-                           if ctrl is not None else None, agree=AGREE_TOKENS if self._wants or self._trial else 0,
+                           if ctrl is not None and prepare else None,
+                           agree=AGREE_TOKENS if self._wants or self._trial else 0,
                            sampled=sampled)
         p.prompt_s = self._clock() - tp0
 
@@ -275,6 +280,7 @@ class Generation:
         n_draft_max = min(s.draft_cap, ses.n_ctx - len(ses.history) - 1)
         if remaining is not None:
             n_draft_max = min(n_draft_max, remaining - 1)
+        self.draft_limit = max(n_draft_max, 0)  # what the step could draft (a batch's planner may use it all)
         if ctrl is None:
             return n_draft_max, None
         ctrl.at(len(ses.history), remaining)
@@ -346,7 +352,7 @@ class Generation:
                 tail = utf8.decode(b"", final=True)
                 if tail:
                     self._text.append(tail)
-                self.stats = self._make_stats(stop, gen_s)
+                self.stats = make_stats(self, stop, gen_s)
 
     def _overhead(self) -> float:
         """The draft model's controller's per-step overhead (--drafter auto: the one all drafters share)."""

@@ -282,6 +282,10 @@ class Session:
             reader.read_to(len(self.history) - 1)  # all but the last token, as the target (a first token too)
         return out
 
+    def drop_reader_prefill(self) -> None:
+        """The reader will not read the prompt now (prefill_reader skipped): it catches up when it drafts."""
+        self._pending = None
+
     def _spans(self, timed: Callable[[int, int], list[tuple[int, int]]] | None, agree: int) -> list[Span]:
         """The timed spans in order, not overlapping, and the agreement span just before those that end the
         prompt (and after any earlier one)."""
