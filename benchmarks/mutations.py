@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_exactness.py", "tests/test_rejection.py", "tests/test_engine.py", "tests/test_accept.py",
          "tests/test_tinyqwen35.py", "tests/test_hybrid.py", "tests/test_swa.py", "tests/test_mtp.py",
          "tests/test_counts.py", "tests/test_parallel.py", "tests/test_logprobs.py",
-         "tests/test_batch_plan.py"]
+         "tests/test_batch_plan.py", "tests/test_constrained.py"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,14 @@ class Mutant:
 
 
 MUTANTS = [
+    Mutant("constraint-verify-unmasked", "under a constraint the target's verify rows are not masked (greedy and "
+                                         "rejection read the raw rows)",
+           (("native/core/sampling.py",
+             "return logits if self.guide is None else self.guide.rows(logits, drafts)", "return logits"),)),
+    Mutant("constraint-draft-unmasked", "under a constraint the draft's rows are not masked (it proposes from its raw "
+                                        "distribution; proposals are still cut at a forbidden token)",
+           (("native/core/sampling.py",
+             "return row if self.guide is None else self.guide.row(row, drafts, len(drafts))", "return row"),)),
     Mutant("batch-rows-of-first", "in a decode of several sequences, each sequence's logits read from the decode's "
                                   "first output rows instead of its own",
            (("native/llama/ffi.py", "off = self._out_row.get(seq, 0)\n", "off = 0\n"),)),

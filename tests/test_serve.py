@@ -254,8 +254,7 @@ def _error(status_body) -> tuple[int, dict]:
     # the tiny models' template never reads `tools`
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
      400, "unsupported_parameter"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400,
-     "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, 400, "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "draft_max": -1}, 400, "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "accept": "maybe"}, 400, "invalid_value"),
     ({"messages": [{"role": "user", "content": "the quick brown fox " * 3000}]}, 400, "context_length_exceeded"),

@@ -18,6 +18,11 @@ ARGS = ["--threads", "1", "--max-tokens", "64", "--draft-max", "4"]
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather forecast for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+# a forced call's free string could run past max_tokens on a model this small: the city is one of a few
+FORCED_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather forecast for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
+                   "required": ["city"]}}}]
 MODEL = "SmolLM2-135M-Instruct.F32"  # the demo target's stem
 ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
 
@@ -107,11 +112,37 @@ def test_tool_results_are_taken_back_into_the_conversation(qwen_server):
     assert after.usage.prompt_tokens > before.usage.prompt_tokens + 10
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_round_trips(qwen_server, choice):
+    """tool_choice required / named: the grammar holds the answer to a call, which parses (streamed too, with
+    tokens drafted under the constraint); its result goes back and the model answers."""
+    c = client(qwen_server)
+    kw = dict(model=MODEL, messages=ASK, tools=FORCED_TOOLS, tool_choice=choice, parallel_tool_calls=False,
+              temperature=0, max_tokens=64, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    first = c.chat.completions.create(**kw)
+    [call] = first.choices[0].message.tool_calls  # one call (parallel_tool_calls false), then the end
+    assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "London", "Tokyo")
+    spec = first.usage.model_extra["speculative"]
+    assert spec["constrained"] is True and spec["n_drafted_constrained"] > 0, spec
+    streamed, finish = _merge_stream(c.chat.completions.create(**kw, stream=True))
+    assert finish == "tool_calls" and [(t["name"], json.loads(t["arguments"])) for t in streamed["tool_calls"]] \
+        == [(call.function.name, json.loads(call.function.arguments))]
+    back = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": "Sunny and 24 degrees"}]
+    answer = c.chat.completions.create(model=MODEL, messages=back, tools=TOOLS, temperature=0, max_tokens=16,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert answer.usage.prompt_tokens > first.usage.prompt_tokens
+
+
 def test_bad_tool_choices_are_400s_naming_the_field(qwen_server):
     c = client(qwen_server)
-    for choice in ({"type": "function", "function": {"name": "get_stock"}}, "required"):
+    for choice, extra in (({"type": "function", "function": {"name": "get_stock"}}, {}),
+                          ("required", {"response_format": {"type": "json_object"}})):  # two constraints
         with pytest.raises(openai.BadRequestError) as e:
-            c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=4)
+            c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=4,
+                                      **extra)
         assert e.value.body["param"] == "tool_choice", e.value.body
 
 

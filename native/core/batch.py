@@ -78,10 +78,12 @@ def step_all(asks: list[Ask]) -> list[StepResult]:
     t0 = clock()
     props, names = _propose_all(asks)
     drafts, dists = [], []
+    constrained = [a.samp.guide is not None and a.samp.guide.active for a in asks]
     for a, prop, i in zip(asks, props, range(len(asks))):
-        keep = len(prop.tokens) >= a.settings.draft_min
-        drafts.append(prop.tokens if keep else [])
-        dists.append(prop.dists if keep else [])
+        n = a.samp.allowed_prefix(prop.tokens)  # cut at the first token a constraint forbids (an n-gram's)
+        keep = n >= a.settings.draft_min
+        drafts.append(prop.tokens[:n] if keep else [])
+        dists.append(prop.dists[:n] if keep else [])
         if not keep:
             names[i] = None
     t1 = clock()
@@ -92,8 +94,8 @@ def step_all(asks: list[Ask]) -> list[StepResult]:
     logprobs = [a.session.logprobs_of(e, a.settings) for a, (e, _) in zip(asks, accepted)]
     verify_s = clock() - t1
     return [StepResult(e, len(d), t1 - t0, verify_s, p.first_token_s, p.token_s, drafter=n, catchup=p.catchup,
-                       acceptance=acc, logprobs=lp, shared=len(asks) > 1)
-            for (e, acc), d, p, n, lp in zip(accepted, drafts, props, names, logprobs)]
+                       acceptance=acc, logprobs=lp, shared=len(asks) > 1, constrained=c)
+            for (e, acc), d, p, n, lp, c in zip(accepted, drafts, props, names, logprobs, constrained)]
 
 
 def _length_controller(g: Generation, drafter: str | None) -> AdaptiveDraft | None:

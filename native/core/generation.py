@@ -10,6 +10,7 @@ from ..control.length import AdaptiveDraft
 from ..control.step import StepOutcome
 from ..drafters import registry
 from .accept import accepted_per_position
+from .constraint import Guide
 from .sampling import Sampling
 from .settings import AGREE_TOKENS, GenerationSettings, WINDOW_PROBATION
 from .stats import GenerationStats, Progress, TokenEvent
@@ -49,6 +50,7 @@ def window_counts(ses: Session) -> tuple[int, int, int]:
 def make_stats(g: Generation, stop: str, gen_s: float) -> GenerationStats:
     """A generation's stats as they stand (its counters since start)."""
     p, s, ctrl, samp = g._p, g.settings, g.controller, g._samp
+    guide = samp.guide if samp is not None else None
     slides, trials, reverts = window_counts(g.session)
     return GenerationStats(
         speculative=g.speculative, n_prompt=len(g.new_tokens), n_generated=len(g.tokens),
@@ -69,7 +71,11 @@ def make_stats(g: Generation, stop: str, gen_s: float) -> GenerationStats:
         steps_by_k=tuple(sorted(p.steps_by_k.items())), tried_per_pos=tuple(p.tried),
         verify_ms_by_size=tuple((b, n, ms * 1e3) for b, (n, ms) in sorted(p.verify_by_size.items())),
         draft_next_ms=p.draft_next_s * 1e3, n_draft_next=p.n_draft_next,
-        n_drafted_by=tuple(sorted(p.drafted_by.items())), n_accepted_by=tuple(sorted(p.accepted_by.items())))
+        n_drafted_by=tuple(sorted(p.drafted_by.items())), n_accepted_by=tuple(sorted(p.accepted_by.items())),
+        constrained=guide is not None, n_drafted_constrained=p.c_drafted, n_accepted_constrained=p.c_accepted,
+        n_masked_rows=guide.n_rows if guide else 0, n_masks=guide.n_masks if guide else 0,
+        n_drafted_unforced=guide.n_unforced if guide else 0,
+        mask_ms=guide.mask_s * 1e3 if guide else 0.0)
 
 
 class Generation:
@@ -137,7 +143,8 @@ class Generation:
         self._stop = "interrupted"  # until the loop ends by itself
         self._done = self._first = False
         self._prefill(prepare)
-        self._samp = Sampling(s, self.speculative)
+        self._samp = Sampling(s, self.speculative, None if s.constraint is None else
+                              Guide(s.constraint, ses.engine.target, self.tokens, self._clock))
         if self.controller is not None:
             p.plain0, p.probes0 = self.controller.n_plain_steps, self.controller.n_probes
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")

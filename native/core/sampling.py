@@ -17,6 +17,7 @@ from ..llama import ffi as _ffi
 from .accept import draw_sparse
 
 if TYPE_CHECKING:
+    from .constraint import Guide
     from .settings import GenerationSettings
 
 
@@ -78,17 +79,34 @@ def sample(dist: SparseDist | tuple[np.ndarray, np.ndarray], rng: np.random.Gene
 class Sampling:
     """How one generation verifies: the mode, llama.cpp's chain (greedy/match), transforms + rng (rejection)."""
 
-    def __init__(self, s: GenerationSettings, speculative: bool):
+    def __init__(self, s: GenerationSettings, speculative: bool, guide: Guide | None = None):
         # Without a draft, "match" is plain sampling with llama.cpp's chain: the baseline's reference.
         self.mode = s.accept_mode if speculative else ("greedy" if s.temp <= 0 else "match")
+        # Under a constraint (`guide`) every row is masked first: llama.cpp's chain samples the raw logits, so
+        # "match" becomes rejection sampling on the masked distributions (with no draft: a draw from the row).
+        self.guide = guide
+        if guide is not None and self.mode == "match":
+            self.mode = "rejection"
         self.sampler = _ffi.Sampler(s.temp, s.top_k, s.top_p, s.min_p, s.seed)
         self.target_tf = self.draft_tf = None
         self.rng = None
         self.sample_s = 0.0
-        if speculative and self.mode == "rejection":
+        if self.mode == "rejection" and (speculative or guide is not None):
             self.rng = np.random.default_rng(s.seed)
             self.target_tf = Transform(s.temp, s.top_k, s.top_p, s.min_p)
             self.draft_tf = Transform(s.temp, s.top_k, s.top_p, s.min_p)
+
+    def draft_row(self, row: np.ndarray, drafts: list[int]) -> np.ndarray:
+        """A drafter's logits row after `drafts`, masked where a constraint applies."""
+        return row if self.guide is None else self.guide.row(row, drafts, len(drafts))
+
+    def verify_rows(self, logits: np.ndarray, drafts: list[int]) -> np.ndarray:
+        """The target's verify rows [last, d1..dn], each masked at its position where a constraint applies."""
+        return logits if self.guide is None else self.guide.rows(logits, drafts)
+
+    def allowed_prefix(self, drafts: list[int]) -> int:
+        """How many of a proposal's tokens the constraint allows in a row (all without one)."""
+        return len(drafts) if self.guide is None else self.guide.allowed_prefix(drafts)
 
     def close(self) -> None:
         self.sampler.close()

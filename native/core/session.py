@@ -35,6 +35,7 @@ class StepResult:
     catchup: CatchUp | None = None  # a long catch-up before the first drafted token
     # rejection sampling: per drafted position (reach, expected acceptance), accept.expected_acceptance
     acceptance: tuple[tuple[float, float], ...] | None = None
+    constrained: bool = False  # the step's first token was under a constraint (GenerationSettings.constraint)
     logprobs: list[TokenLogprob] | None = None  # per emitted token, where the settings ask (core/logprobs.py)
     shared: bool = False  # the step's decodes carried other sequences too (its times are the batch's)
 
@@ -151,8 +152,10 @@ class Session:
         """One speculative step: draft, verify [last, d1..dn] in one target pass, keep what its rule accepts."""
         clock = self.engine.clock
         t0 = clock()
+        constrained = samp.guide is not None and samp.guide.active
         prop, drafter = self._propose(s, samp, n_draft_max, drafters)
-        drafts, q = prop.tokens, prop.dists
+        n = samp.allowed_prefix(prop.tokens)  # cut at the first token a constraint forbids (an n-gram's)
+        drafts, q = prop.tokens[:n], prop.dists[:n]
         if len(drafts) < s.draft_min:
             drafts, q, drafter = [], [], None
         t1 = clock()
@@ -160,7 +163,7 @@ class Session:
         self.tgt.extend([self.history[-1]] + drafts, logits="all")
         emitted, acceptance = self._accept(drafts, q, samp)
         return StepResult(emitted, len(drafts), t1 - t0, clock() - t1, prop.first_token_s, prop.token_s,
-                          drafter=drafter, catchup=prop.catchup, acceptance=acceptance,
+                          drafter=drafter, catchup=prop.catchup, acceptance=acceptance, constrained=constrained,
                           logprobs=self.logprobs_of(emitted, s))
 
     def logprobs_of(self, emitted: list[int], s: GenerationSettings) -> list[TokenLogprob] | None:
@@ -171,13 +174,14 @@ class Session:
 
     def _accept(self, drafts: list[int], q: list, samp: Sampling) -> tuple[list[int], tuple | None]:
         """The tokens the verify emits: the accepted drafts, then the target's own next token; under rejection
-        also what each drafted position was expected to accept (for the controller, after the fact)."""
+        also what each drafted position was expected to accept (for the controller, after the fact). Under a
+        constraint each row is masked at its position first (greedy and rejection then run on the masked rows)."""
         if samp.mode == "greedy":
-            return greedy_emit(self.tgt.ctx.logits(len(drafts) + 1), drafts), None
+            return greedy_emit(samp.verify_rows(self.tgt.ctx.logits(len(drafts) + 1), drafts), drafts), None
         if samp.mode == "rejection":
             clock = self.engine.clock
             ts = clock()
-            p = samp.target_tf.rows(self.tgt.ctx.logits(len(drafts) + 1))
+            p = samp.target_tf.rows(samp.verify_rows(self.tgt.ctx.logits(len(drafts) + 1), drafts))
             emitted = rejection_emit(drafts, q, p, samp.rng)
             acceptance = tuple(expected_acceptance(drafts, q, p))
             samp.sample_s += clock() - ts

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ...errors import UsageError
+
+if TYPE_CHECKING:
+    from .constraint import Constraint
 
 # The largest draft the target context is sized for (its output rows per verify are draft_max + 1).
 DRAFT_MAX_CAP = 64
@@ -67,6 +71,8 @@ class GenerationSettings:
     ngram_min: int = 3  # the shortest ending of the text an n-gram proposal needs to have seen before
     ngram_max: int = 6
     logprobs: int | None = None  # None: none computed; n >= 0: each token's log-probability and the top n
+    # constrained output (core/constraint.py): a JSON schema or grammar the answer follows; None: free text
+    constraint: Constraint | None = None
 
     @property
     def drafters(self) -> tuple[str, ...]:

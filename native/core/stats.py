@@ -76,6 +76,15 @@ class GenerationStats(Rates):
     verify_ms_by_size: tuple[tuple[int, int, float], ...] = ()  # (batch size, passes, total ms)
     draft_next_ms: float = 0.0  # drafted tokens after a step's first, where measured: their time...
     n_draft_next: int = 0  # ...and how many
+    # constrained output (GenerationSettings.constraint): drafted/accepted in steps under the constraint, the masks
+    # the grammar computed (each position once), the logits rows masked (draft and target) and the time in masking
+    constrained: bool = False
+    n_drafted_constrained: int = 0
+    n_accepted_constrained: int = 0
+    n_masks: int = 0
+    n_drafted_unforced: int = 0  # drafted tokens proposed where the grammar allowed more than one token
+    n_masked_rows: int = 0
+    mask_ms: float = 0.0
 
     @property
     def n_tried(self) -> int:
@@ -114,6 +123,8 @@ class Progress:
     verify_by_size: dict = field(default_factory=dict)
     draft_next_s: float = 0.0
     n_draft_next: int = 0
+    c_drafted: int = 0  # drafted and accepted in steps under a constraint
+    c_accepted: int = 0
 
     def count_step(self, step: "StepResult", n_kept: int, sign: int = 1) -> None:
         """Add one step's draft counts and cost-model inputs (sign -1 takes them back). Every draft token the
@@ -130,6 +141,9 @@ class Progress:
                 self.accepted.pop()
             self.drafted_by[step.drafter] = self.drafted_by.get(step.drafter, 0) + sign * k
             self.accepted_by[step.drafter] = self.accepted_by.get(step.drafter, 0) + sign * a
+            if step.constrained:
+                self.c_drafted += sign * k
+                self.c_accepted += sign * a
         self.steps_by_k[step.n_drafted] = self.steps_by_k.get(step.n_drafted, 0) + sign
         reach = min(k, a + 1)
         self.tried.extend([0] * (reach - len(self.tried)))

@@ -145,12 +145,13 @@ def pick(row: np.ndarray, p_min: float, samp: Sampling, n_vocab_tgt: int,
 
 def pick_loop(row: Callable[[], np.ndarray], advance: Callable[[int, int], None], n_max: int, p_min: float,
               samp: Sampling, n_vocab_tgt: int, clock: Callable[[], float]) -> tuple[list[int], list[SparseDist]]:
-    """Draft from a model-like drafter: pick from `row()` (the logits after the last token fed), then
-    `advance(token, i)` feeds drafted token i (from 1), until pick stops or n_max tokens are drafted."""
+    """Draft from a model-like drafter: pick from `row()` (the logits after the last token fed; masked where a
+    constraint applies), then `advance(token, i)` feeds drafted token i (from 1), until pick stops or n_max tokens
+    are drafted."""
     drafts: list[int] = []
     dists: list[SparseDist] = []
     while True:
-        got = pick(row(), p_min, samp, n_vocab_tgt, clock)
+        got = pick(samp.draft_row(row(), drafts), p_min, samp, n_vocab_tgt, clock)
         if got is None:
             break
         drafts.append(got[0])

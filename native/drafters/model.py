@@ -110,7 +110,7 @@ class ModelDrafter(Drafter):
             more = []
             for i in active:
                 d, n_max, s, samp = asks[i]
-                got = pick(d.memory.ctx.logits(1)[0], s.p_min, samp, n_vocab, clock)
+                got = pick(samp.draft_row(d.memory.ctx.logits(1)[0], drafts[i]), s.p_min, samp, n_vocab, clock)
                 if got is not None:
                     drafts[i].append(got[0])
                     if got[1] is not None:

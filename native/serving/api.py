@@ -11,6 +11,7 @@ from typing import Any
 
 from ... import __version__
 from ...errors import SpecqError, UsageError, check_text
+from ..core.constraint import Constraint
 from ..core.settings import ACCEPT_MODES, DRAFT_MAX_CAP, GenerationSettings
 from ..core.stats import GenerationStats
 from ..drafters.registry import parse_drafter
@@ -24,7 +25,6 @@ UNSUPPORTED = {
     "best_of": "only one choice per request (best_of = 1)",
     "functions": "function calls are not supported",
     "function_call": "function calls are not supported",
-    "response_format": "only plain text output (response_format text)",
     "logit_bias": "logit_bias is not supported",
     "frequency_penalty": "penalties are not supported (they would change the target's distribution)",
     "presence_penalty": "penalties are not supported (they would change the target's distribution)",
@@ -33,7 +33,7 @@ UNSUPPORTED = {
 }
 # Values of those fields that ask for nothing beyond the default (null always does), so clients sending defaults work.
 _HARMLESS = {"n": (1,), "best_of": (1,), "functions": ([],), "function_call": ("none",),
-             "response_format": ({"type": "text"},), "logit_bias": ({},), "frequency_penalty": (0,),
+             "logit_bias": ({},), "frequency_penalty": (0,),
              "presence_penalty": (0,), "echo": (False,), "suffix": ("",)}
 
 
@@ -86,6 +86,7 @@ class ApiRequest:
     speculative: bool = True  # False: draft_max 0, the target alone
     tools: ToolRequest | None = None  # chat: the tools, tool_choice and parallel_tool_calls asked for
     template_kwargs: dict | None = None  # chat_template_kwargs: extra variables for the chat template
+    constraint: Constraint | None = None  # response_format / grammar, not yet compiled (app.py compiles it)
 
 
 # ==== parsing ======================================================================================
@@ -216,6 +217,51 @@ def parse_drafter_field(drafter: Any, limits: Limits) -> str:
     return drafter
 
 
+def parse_constraint(body: dict) -> Constraint | None:
+    """`response_format` (text, json_object, json_schema with `strict`) or llama-server's `grammar` (GBNF)."""
+    rf, grammar = body.get("response_format"), body.get("grammar")
+    if grammar is not None and grammar != "":
+        if not isinstance(grammar, str):
+            raise bad(f"'grammar' must be a GBNF grammar as a string (got {json.dumps(grammar)[:80]})", "grammar",
+                      "invalid_type")
+        if rf is not None and rf != {"type": "text"}:
+            raise bad("'grammar' and 'response_format' cannot both constrain one answer; send one", "grammar")
+        return Constraint("gbnf", _text(grammar, "'grammar'", "grammar"))
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":  # llama-server also takes a schema here
+        schema = rf.get("schema")
+        return Constraint("json_object") if schema is None else Constraint("json_schema", _schema_text(schema))
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js:
+            raise bad("'response_format' json_schema needs {\"json_schema\": {\"name\": …, \"schema\": {…}}}",
+                      "response_format", "invalid_type")
+        strict = js.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad(f"'response_format' json_schema.strict must be true or false (got {json.dumps(strict)})",
+                      "response_format", "invalid_type")
+        # strict: every keyword enforced (one the library cannot enforce is a 400); otherwise those are ignored
+        return Constraint("json_schema", _schema_text(js["schema"]), lenient=not strict)
+    raise bad(f"'response_format' type must be text, json_object or json_schema (got {json.dumps(kind)})",
+              "response_format")
+
+
+def _schema_text(schema: Any) -> str:
+    if not isinstance(schema, (dict, bool)):
+        raise bad(f"'response_format' schema must be a JSON object (got {json.dumps(schema)[:80]})",
+                  "response_format", "invalid_type")
+    return json.dumps(schema)
+
+
+def constraint_param(c: Constraint) -> str:
+    """The request field a constraint came from (a 400 names it)."""
+    return "grammar" if c.kind == "gbnf" else "response_format"
+
+
 def parse_content(content: Any, i: int) -> str:
     """A message's content: a string, null, or a list of text parts (images are refused)."""
     if content is None or isinstance(content, str):
@@ -317,8 +363,8 @@ def parse_request(body: dict, kind: str, limits: Limits) -> ApiRequest:
         prompt=parse_prompt(body) if kind == "completion" else None, max_tokens=parse_max_tokens(body, limits),
         stream=stream, include_usage=include_usage, stops=parse_stops(body),
         overrides={**parse_sampling(body, limits), "logprobs": parse_logprobs(body, kind, bad)},
-        cache_prompt=_bool(body, "cache_prompt", default=True), speculative=not _target_alone(body), tools=tools,
-        template_kwargs=template_kwargs)
+        cache_prompt=_bool(body, "cache_prompt", default=True), speculative=not _target_alone(body),
+        constraint=parse_constraint(body), tools=tools, template_kwargs=template_kwargs)
 
 
 def settings_for(req: ApiRequest, defaults: GenerationSettings, seed: int) -> GenerationSettings:
@@ -358,6 +404,13 @@ def usage(o: Outcome) -> dict:
                 "tokens_per_s": round(st.tokens_per_s, 3)}
         if o.shared_time is not None:
             spec["shared_time"] = o.shared_time
+        spec["constrained"] = st.constrained  # INTERFACES.md: a bool
+        if st.constrained:  # acceptance in the steps under the constraint, and what masking cost
+            n = st.n_drafted_constrained
+            spec.update(n_drafted_constrained=n, n_accepted_constrained=st.n_accepted_constrained,
+                        accept_rate_constrained=st.n_accepted_constrained / n if n else None,
+                        n_drafted_unforced=st.n_drafted_unforced, n_masks=st.n_masks,
+                        n_masked_rows=st.n_masked_rows, mask_ms=round(st.mask_ms, 3))
     return {"prompt_tokens": o.n_prompt, "completion_tokens": o.n_completion,
             "total_tokens": o.n_prompt + o.n_completion, "prompt_tokens_details": {"cached_tokens": o.n_reused},
             "speculative": spec}

@@ -19,17 +19,18 @@ import random
 import signal
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Awaitable, Callable
 
 from ...errors import SpecqError, UsageError
 from ..core.config import EngineConfig
+from ..core.constraint import Constraint, ConstraintError, compile_constraint
 from ..core.engine import Engine
 from ..core.settings import GenerationSettings
-from .api import (FINISH, ApiError, ApiRequest, Limits, ResponseIds, chunk, full_response, parse_json,
-                  parse_request, settings_for, sse, usage_chunk)
-from .answer import AnswerPlan, AnswerStream, merge, render_chat
+from .api import (FINISH, ApiError, ApiRequest, Limits, ResponseIds, chunk, constraint_param, full_response,
+                  parse_json, parse_request, settings_for, sse, usage_chunk)
+from .answer import AnswerPlan, AnswerStream, call_grammar, merge, render_chat
 from .reasoning import think_format
 from .template import TemplateFormatter, load_template
 from .tools import template_family
@@ -129,10 +130,6 @@ class ServerState:
                                 "with --template FILE to enable chat", "no_chat_template")
         else:
             text, plan = self.render_chat(req)
-            if plan.forced is not None:  # to be wired: answer.call_grammar → a Constraint (#34)
-                raise ApiError(400, f"'tool_choice' {plan.forced.name or plan.forced.choice!r} needs grammar-"
-                                    "constrained decoding, which this server does not run yet; use \"auto\"",
-                               "unsupported_parameter", param="tool_choice")
             tokens = tgt.tokenize(text, add_special=False, parse_special=True)
             if tgt.add_bos and not text.startswith(self.bos_text or "\0"):
                 tokens = [tgt.bos] + tokens
@@ -146,6 +143,25 @@ class ServerState:
 
     def render_chat(self, req: ApiRequest) -> tuple[str, AnswerPlan]:
         return render_chat(self.formatter, self.family, self.think, req)
+
+    def compile(self, c: Constraint, param: str | None = None) -> Constraint:
+        """A request's constraint compiled for the target's vocabulary; a 400 naming its field where it cannot be."""
+        try:
+            return compile_constraint(self.engine.target, c)
+        except ConstraintError as e:
+            param = param or constraint_param(c)
+            raise ApiError(400, f"'{param}': {e}", "invalid_value", param=param)
+
+    def call_constraint(self, req: ApiRequest, plan: AnswerPlan) -> Constraint:
+        """tool_choice required or a named function: the call grammar, compiled (a response_format cannot
+        constrain the same answer)."""
+        if req.constraint is not None:
+            raise ApiError(400, f"'tool_choice' {plan.forced.choice!r} and '{constraint_param(req.constraint)}' "
+                                "cannot both constrain one answer; send one", "invalid_value", param="tool_choice")
+        tgt = self.engine.target
+        grammar, after = call_grammar(plan, lambda text, special: tgt.tokenize(text, add_special=False,
+                                                                               parse_special=special))
+        return self.compile(Constraint("lark", grammar, after=after), "tool_choice")
 
     def seed_for(self, req: ApiRequest) -> int:
         return self.cfg.seed if self.cfg.seed is not None else random.SystemRandom().randrange(1 << 32)
@@ -334,6 +350,10 @@ class Handlers:
             settings = settings_for(req, st.defaults, st.seed_for(req)).validate()
         except UsageError as e:  # a combination the per-field checks let through (draft_min > draft_max…)
             raise ApiError(400, str(e), "invalid_value")
+        if plan.forced is not None:  # compiled here, off the engine's thread (cached by its text)
+            settings = replace(settings, constraint=await run_in_threadpool(st.call_constraint, req, plan))
+        elif req.constraint is not None:
+            settings = replace(settings, constraint=await run_in_threadpool(st.compile, req.constraint))
         events: asyncio.Queue = asyncio.Queue()
         job = Job(tokens, settings, req.stops, lambda item: None, cache_prompt=req.cache_prompt,
                   speculative=req.speculative)
