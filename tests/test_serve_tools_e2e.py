@@ -168,3 +168,19 @@ def test_logprobs_of_a_read_answer_all_arrive_when_streamed(qwen_server):
                for e in ch.choices[0].logprobs.content]
     assert [e.token for e in entries] == [e.token for e in whole.choices[0].logprobs.content]
     assert entries and len(entries) >= whole.usage.completion_tokens - 1  # an end of generation has none
+
+
+def test_a_response_format_holds_the_answer_after_the_reasoning_not_the_reasoning(qwen_server):
+    """With the thinking opened by the prompt, a JSON schema applies after `</think>`: the reasoning is the
+    model's own (greedy: the same as without the schema), not JSON; the answer never began within the limit, so
+    it ends with `length`, never presented as complete."""
+    c = client(qwen_server)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    free = c.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=24)
+    held = c.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=0, max_tokens=24,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+    reasoning = held.choices[0].message.model_extra.get("reasoning_content")
+    assert reasoning and not reasoning.lstrip().startswith("{")
+    assert reasoning == free.choices[0].message.model_extra.get("reasoning_content")
+    assert held.choices[0].finish_reason == "length" and not held.choices[0].message.content

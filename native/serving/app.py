@@ -352,8 +352,11 @@ class Handlers:
             raise ApiError(400, str(e), "invalid_value")
         if plan.forced is not None:  # compiled here, off the engine's thread (cached by its text)
             settings = replace(settings, constraint=await run_in_threadpool(st.call_constraint, req, plan))
-        elif req.constraint is not None:
-            settings = replace(settings, constraint=await run_in_threadpool(st.compile, req.constraint))
+        elif req.constraint is not None:  # a thinking model's answer comes after its reasoning: the format holds it
+            c = req.constraint
+            if plan.think is not None and plan.in_thinking:
+                c = replace(c, after=plan.think.end)
+            settings = replace(settings, constraint=await run_in_threadpool(st.compile, c))
         events: asyncio.Queue = asyncio.Queue()
         job = Job(tokens, settings, req.stops, lambda item: None, cache_prompt=req.cache_prompt,
                   speculative=req.speculative)
