@@ -17,6 +17,7 @@ from specq.native.core.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from specq.native.llama import ffi as _ffi
 from stats import chi2_pvalue
+from test_exactness import target_law
 
 PROMPT = "def fibonacci(n):"
 ABC = Constraint("lark", "start: /[abc]+/")  # any run of a, b, c: the tiny vocabulary has exactly those three
@@ -34,30 +35,19 @@ def constrained(e: Engine, c: Constraint) -> Constraint:
 
 def abc_law(path, tokens: list[int], depth: int) -> dict:
     """The target's law of its next `depth` tokens at temperature 1 under `start: /[abc]+/`, from its logits with
-    numpy: a token is allowed where its text is one or more of a, b, c; an end-of-generation token once at least
-    one token was generated. A generation ends at an end-of-generation token (a shorter key)."""
-    law = {}
-    with _ffi.Model(path) as m, _ffi.Context(m, 128, 1) as c:
-        letters = np.array([len(m.piece(t)) > 0 and set(m.piece(t)) <= set(b"abc") for t in range(m.n_vocab)])
-        eog = np.array([m.is_eog(t) for t in range(m.n_vocab)])
+    numpy (test_exactness.target_law): a token is allowed where its text is one or more of a, b, c; an
+    end-of-generation token once at least one token was generated. A generation ends at an end-of-generation
+    token (a shorter key)."""
+    masks = {}
 
-        def probs(prefix, first):
-            c.clear()
-            c.decode(prefix, 0)
-            z = np.array(c.logits(1)[0], np.float64)
-            z[~(letters | (eog & (not first)))] = -np.inf
-            e = np.exp(z - z.max())
-            return e / e.sum()
+    def allowed(m, first: bool) -> np.ndarray:
+        if first not in masks:
+            letters = np.array([len(m.piece(t)) > 0 and set(m.piece(t)) <= set(b"abc") for t in range(m.n_vocab)])
+            eog = np.array([m.is_eog(t) for t in range(m.n_vocab)])
+            masks[first] = letters | (eog & (not first))
+        return masks[first]
 
-        def walk(prefix, prob, left):
-            if left == 0 or (len(prefix) > len(tokens) and m.is_eog(prefix[-1])):
-                law[tuple(prefix[len(tokens):])] = prob
-                return
-            p = probs(prefix, len(prefix) == len(tokens))
-            for t in np.flatnonzero(p > 0):
-                walk(prefix + [int(t)], prob * float(p[t]), left - 1)
-        walk(list(tokens), 1.0, depth)
-    return law
+    return target_law(path, tokens, depth, allowed=allowed)
 
 
 def test_rejection_sampling_under_a_grammar_keeps_the_masked_targets_law(tiny_target, tiny_close):

@@ -139,10 +139,11 @@ def monkeypatch_module():
     mp.undo()
 
 
-def target_law(path, tokens: list[int], depth: int, top_k: int = 0, ctx: int = 128) -> dict:
+def target_law(path, tokens: list[int], depth: int, top_k: int = 0, ctx: int = 128, allowed=None) -> dict:
     """The target's own sampling law of the next `depth` tokens (temp 1, optional top-k), computed with numpy on
     its logits: a reference that shares nothing with the engine's sampling or acceptance code. A generation ends
-    at an end-of-generation token: its key is shorter there."""
+    at an end-of-generation token: its key is shorter there. `allowed(model, first)`: a boolean mask over the
+    vocabulary applied to every row (a grammar written by hand; `first`: the row of the first generated token)."""
     law = {}
     with _ffi.Model(path) as m, _ffi.Context(m, ctx, 1) as c:
         def probs(prefix):
@@ -151,6 +152,8 @@ def target_law(path, tokens: list[int], depth: int, top_k: int = 0, ctx: int = 1
             z = np.array(c.logits(1)[0], np.float64)
             if top_k:
                 z[np.argsort(z)[:-top_k]] = -np.inf
+            if allowed is not None:
+                z[~allowed(m, len(prefix) == len(tokens))] = -np.inf
             e = np.exp(z - z.max())
             return e / e.sum()
 
