@@ -1,5 +1,5 @@
 """Constrained output's costs: the grammar's mask per token on two vocabularies, and the demo pair's speed-up over
-the target alone with and without a JSON schema.
+the target alone with and without a JSON schema (`--pair deep`: benchmarks/deep_pair.py's pair).
 
     python benchmarks/constrained.py [--threads 1] [--n-predict 160] [--rounds 2] [--draft-max 6]
         [--vocab-48k PATH] [--vocab-big PATH] [--json benchmarks/results/constrained-cpu2.json]
@@ -90,8 +90,18 @@ def mask_times(path: Path, rounds: int = 20) -> dict:
         model.close()
 
 
-def speedups(threads: int, n_predict: int, rounds: int, draft_max: int) -> dict:
-    target, draft = demo_pair()
+def pair_paths(name: str):
+    if name == "deep":
+        import sys
+        sys.path.insert(0, str(Path(__file__).parent))
+        from deep_pair import deep_pair
+
+        return deep_pair()
+    return demo_pair()
+
+
+def speedups(threads: int, n_predict: int, rounds: int, draft_max: int, pair: str = "demo") -> dict:
+    target, draft = pair_paths(pair)
     modes = [("alone", False, False), ("spec", True, False), ("alone+schema", False, True),
              ("spec+schema", True, True)]
     per_round: dict[str, list[float]] = {m: [] for m, _, _ in modes}
@@ -139,18 +149,23 @@ def main() -> None:
     ap.add_argument("--draft-max", type=int, default=6)
     ap.add_argument("--vocab-big", type=Path, default=Path(os.environ.get("LLAMA_SRC", "vendor/llama.cpp"))
                     / "models" / "ggml-vocab-qwen35.gguf")
+    ap.add_argument("--pair", choices=("demo", "deep"), default="demo",
+                    help="the pair of the speed-up (deep: benchmarks/deep_pair.py, the demo's vocabulary)")
+    ap.add_argument("--no-mask", action="store_true", help="skip the mask timings (the speed-up only)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     load0 = os.getloadavg()
-    out = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": a.threads,
+    out = {"pair": a.pair, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+           "threads": a.threads,
            "draft_max": a.draft_max, "n_predict": a.n_predict, "rounds": a.rounds,
            "loadavg_before": [round(x, 2) for x in load0]}
-    out["mask"] = [mask_times(demo_pair()[0])] + ([mask_times(a.vocab_big)] if a.vocab_big.is_file() else [])
+    out["mask"] = [] if a.no_mask else \
+        [mask_times(demo_pair()[0])] + ([mask_times(a.vocab_big)] if a.vocab_big.is_file() else [])
     for m in out["mask"]:
         print(f"mask {m['vocab']} ({m['n_vocab']} ids): {m['mask_us_mean']} us/token mean (p50 {m['mask_us_p50']}, "
               f"p99 {m['mask_us_p99']}), apply {m['apply_us_mean']} us, tokenizer {m['tokenizer_ms']} ms, "
               f"schema compile {m['compile_ms']} ms")
-    out["speedup"] = speedups(a.threads, a.n_predict, a.rounds, a.draft_max)
+    out["speedup"] = speedups(a.threads, a.n_predict, a.rounds, a.draft_max, a.pair)
     out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     sp = out["speedup"]
     print(f"tokens/s {sp['tokens_per_s']}; speed-up free {sp['speedup_free']}x, under the schema "
