@@ -98,11 +98,11 @@ MUTANTS = [
     Mutant("controller-peeks", "the step's outcome seen before choosing: a step whose first draft was rejected is "
                                "taken back and decoded plain (the draft length chosen after the verify)",
            (("native/core/generation.py",
-             "                step = ses._step(s, samp, max(n_draft_max, 0), drafters)\n",
-             "                step = ses._step(s, samp, max(n_draft_max, 0), drafters)\n"
+             "                step = self.session._step(self.settings, self._samp, *plan)\n",
+             "                step = self.session._step(self.settings, self._samp, *plan)\n"
              "                if step.n_drafted and len(step.emitted) == 1:\n"
-             "                    ses._rewind()\n"
-             "                    step = ses._step(s, samp, 0, ())\n"),)),
+             "                    self.session._rewind()\n"
+             "                    step = self.session._step(self.settings, self._samp, 0, ())\n"),)),
     Mutant("mtp-pairing", "the MTP head fed token k with the trunk's hidden state h_{k-2} instead of h_{k-1}",
            (("native/drafters/mtp.py", "            rows = self.rows.take(m - 1, upto - 1)\n",
              "            rows = np.roll(self.rows.take(m - 1, upto - 1), 1, axis=0)\n"),)),
@@ -110,8 +110,8 @@ MUTANTS = [
                             "output state",
            (("native/drafters/mtp.py", "        h = self.ctx.hidden()", "        h = self.rows.rows[-1].copy()"),)),
     Mutant("batch-own-lengths", "a batched step drafts what each sequence would alone (no batch cost model)",
-           (("native/control/batch_plan.py", "        best_c = max(range(top + 1), key=lambda c: (self.rate(wishes, c), c))",
-             "        best_c = top"),)),
+           (("native/control/batch_plan.py", "        self.last_c = best_c\n",
+             "        best_c = top\n        self.last_c = best_c\n"),)),
     Mutant("shared-step-costs", "a step shared with other sequences teaches each sequence's controller the batch's "
                                 "verify time as its own",
            (("native/control/length.py", "        if step.shared:\n", "        if False:\n"),)),
