@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from specq.native.control.expected import expected_tokens_per_pass  # noqa: E402
+from deep_pair import pair  # noqa: E402
 from specq.native.control.batch_plan import BatchPlanner  # noqa: E402
 from specq.native.core.batch import Batch  # noqa: E402
 from specq.native.core.engine import Engine  # noqa: E402
@@ -97,12 +98,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json")
     a = ap.parse_args()
-    if a.pair == "deep":
-        from deep_pair import deep_pair
-        target, draft = deep_pair()
-    else:
-        from specq.native.commands.demo import demo_pair
-        target, draft = demo_pair()
+    target, draft = pair(a.pair)
     batches, ks = [int(x) for x in a.batch.split(",")], [int(x) for x in a.k.split(",")]
     load0 = os.getloadavg()
     with Engine(target, draft, ctx=1024, threads=a.threads, parallel=max(batches)) as e:

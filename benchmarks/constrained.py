@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from deep_pair import pair as pair_by_name  # (benchmarks/, the script's folder)
 from specq.native.commands.demo import demo_pair
 from specq.native.core.constraint import Constraint, Guide, apply_mask, compile_constraint
 from specq.native.core.engine import Engine
@@ -90,18 +91,8 @@ def mask_times(path: Path, rounds: int = 20) -> dict:
         model.close()
 
 
-def pair_paths(name: str):
-    if name == "deep":
-        import sys
-        sys.path.insert(0, str(Path(__file__).parent))
-        from deep_pair import deep_pair
-
-        return deep_pair()
-    return demo_pair()
-
-
 def speedups(threads: int, n_predict: int, rounds: int, draft_max: int, pair: str = "demo") -> dict:
-    target, draft = pair_paths(pair)
+    target, draft = pair_by_name(pair)
     modes = [("alone", False, False), ("spec", True, False), ("alone+schema", False, True),
              ("spec+schema", True, True)]
     per_round: dict[str, list[float]] = {m: [] for m, _, _ in modes}

@@ -74,6 +74,11 @@ def deep_pair(extra: int = 90, eps: float = 0.02, out: Path | None = None) -> tu
     return deep_target(target, folder / f"SmolLM2-135M-deep{30 + extra}-eps{eps:g}.F16.gguf", extra, eps), draft
 
 
+def pair(name: str) -> tuple[Path, Path]:
+    """The benchmarks' pairs by name: "demo" (the built-in demo pair) or "deep" (deep_pair's)."""
+    return tuple(map(Path, deep_pair() if name == "deep" else demo_pair()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--extra", type=int, default=90)

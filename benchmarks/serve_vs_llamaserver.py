@@ -24,19 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from deep_pair import pair  # noqa: E402
 from serve_load import PROMPTS, Server, free_port, model_of, run_load  # noqa: E402
 
 CTX = 2048  # one sequence's context (specq --ctx; llama-server -c N·CTX)
-
-
-def pair(name: str) -> tuple[Path, Path]:
-    if name == "deep":
-        from deep_pair import deep_pair
-
-        return tuple(map(Path, deep_pair()))
-    from specq.native.commands.demo import demo_pair
-
-    return demo_pair()
 
 
 def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str]:
