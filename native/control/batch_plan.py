@@ -47,6 +47,12 @@ class Wish:
         return expected_tokens(self.alphas, k) if self.adaptive else self.tokens
 
 
+def later_rows(ks: Sequence[int]) -> list[int]:
+    """The rows of each draft decode after the first (positions 2.. of the longest draft) for drafts of ks tokens:
+    the sequences drafting a j-th token."""
+    return [sum(1 for k in ks if k >= j) for j in range(2, max(ks, default=0) + 1)]
+
+
 class BatchPlanner:
     """Caps the adaptive sequences' drafts of a batched step (see the module's docstring)."""
 
@@ -80,12 +86,11 @@ class BatchPlanner:
     def step_s(self, wishes: Sequence[Wish], ks: Sequence[int], steady: bool = False) -> float:
         """The predicted time of a step drafting ks; `steady`: with every catch-up at most what one step emits (a
         long catch-up is paid once, not every step: the choice of c looks past it)."""
-        drafting = sorted((k for w, k in zip(wishes, ks) if w.decodes and k > 0), reverse=True)
+        drafting = [(w, k) for w, k in zip(wishes, ks) if w.decodes and k > 0]
         d = 0.0
         if drafting:
-            d = self.draft_s(sum(min(w.behind, k + 1) if steady else w.behind
-                                 for w, k in zip(wishes, ks) if w.decodes and k > 0))
-            d += sum(self.draft_s(sum(1 for k in drafting if k >= j)) for j in range(2, drafting[0] + 1))
+            d = self.draft_s(sum(min(w.behind, k + 1) if steady else w.behind for w, k in drafting))
+            d += sum(self.draft_s(m) for m in later_rows([k for _, k in drafting]))
         return d + self.verify.verify_s(sum(k + 1 for k in ks)) + self.overhead
 
     def draft_s(self, rows: int) -> float:
@@ -180,11 +185,10 @@ class BatchPlanner:
         """A batched step: each sequence's drafted and emitted tokens, the draft decodes' time in all (`loop_s` of it
         after the first drafted token), the verify's and the rest of the step's."""
         self.verify.observe(sum(k + 1 for k in drafted), verify_s)
-        ks = [k for w, k in zip(wishes, drafted) if w.decodes and k > 0]
-        if ks:
-            first_rows = sum(w.behind for w, k in zip(wishes, drafted) if w.decodes and k > 0)
-            self.draft.observe(first_rows, max(draft_s - loop_s, 1e-9))
-            later = [sum(1 for k in ks if k >= j) for j in range(2, max(ks) + 1)]
+        drafting = [(w, k) for w, k in zip(wishes, drafted) if w.decodes and k > 0]
+        if drafting:
+            self.draft.observe(sum(w.behind for w, _ in drafting), max(draft_s - loop_s, 1e-9))
+            later = later_rows([k for _, k in drafting])
             if later and loop_s > 0:
                 self.draft.observe(round(sum(later) / len(later)), loop_s / len(later))
         self.overhead = running_mean(self.overhead, overhead_s, self.ema)

@@ -138,7 +138,6 @@ class Batch:
         self.most_in_a_step = 0  # the most sequences one step carried
         self.planner = BatchPlanner() if planner is None else planner
         self.plan_lengths = True
-        self.prepared: set[int] = set()  # (ids of) live generations whose drafts were got ready (add)
         self.n_unprepared = 0  # joiners whose drafts were left alone
 
     def add(self, gen: Generation) -> None:
@@ -150,11 +149,9 @@ class Batch:
         if gen.session.seq in seqs:
             raise ValueError(f"sequence {gen.session.seq} already runs a generation in this batch")
         pl = self.planner
-        prepare = not self.live or pl.drafting or not pl.knows_draft and not self.prepared
+        prepare = not self.live or pl.drafting or not pl.knows_draft and not any(g.prepared for g in self.live)
         gen.start(prepare=prepare)
-        if prepare:
-            self.prepared.add(id(gen))
-        else:
+        if not prepare:
             self.n_unprepared += 1
         self.live.append(gen)
 
@@ -165,7 +162,6 @@ class Batch:
         for g in self.live:
             plan = g.plan()
             if plan is None:
-                self.prepared.discard(id(g))
                 g.conclude()
                 out.append((g, []))
             else:
@@ -188,11 +184,10 @@ class Batch:
                 self.planner.observe(wishes, [x.n_drafted for x in results], [len(x.emitted) for x in results],
                                      r.draft_s, r.verify_s, clock() - t0 - r.draft_s - r.verify_s, loop_s)
             for g in going:  # a first token is out (or, here, ready): a prepared draft reads the prompt now
-                g.after_delivery(read=len(going) == 1 or id(g) in self.prepared or self.planner.drafting)
+                g.after_delivery(read=len(going) == 1 or g.prepared or self.planner.drafting)
             for g in going:
                 if g.ended:  # it leaves at once: its stats are final, its sequence free
                     self.live.remove(g)
-                    self.prepared.discard(id(g))
                     g.conclude()
         return out
 
@@ -212,7 +207,6 @@ class Batch:
     def cancel(self, gen: Generation) -> None:
         """End a generation now, between steps (its memories rewound to its history)."""
         self.live.remove(gen)
-        self.prepared.discard(id(gen))
         gen.conclude()
 
     def run(self) -> None:

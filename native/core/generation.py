@@ -90,6 +90,7 @@ class Generation:
         self.stats: GenerationStats | None = None
         self.controller: AdaptiveDraft | None = None  # draft_max="auto": its final estimates (for tune)
         self.draft_limit = 0  # the last step's room to draft (_plan)
+        self.prepared = True  # start(prepare): its draft was got ready (timings, agreement)
         self.tokens: list[int] = []
         self._text: list[str] = []
         self._p = Progress()
@@ -129,7 +130,7 @@ class Generation:
             while (plan := self.plan()) is not None:
                 step = self.session._step(self.settings, self._samp, *plan)
                 events = self.take(step)
-                yield from self._deliver(step, events)
+                yield from self._deliver(events)
                 self.after_delivery()
             self._settle_window(finished=True)
         finally:
@@ -140,6 +141,7 @@ class Generation:
         """Evaluate the prompt and get ready for the first step. `prepare` False (joining a batch that is not
         drafting, core/batch.py): no calibration timings or prompt agreement, the prompt in one decode."""
         ses, s, p = self.session, self.settings, self._p
+        self.prepared = prepare
         self._stop = "interrupted"  # until the loop ends by itself
         self._done = self._first = False
         self._prefill(prepare)
@@ -318,16 +320,14 @@ class Generation:
                 return events, "n_predict"
         return events, None
 
-    def _deliver(self, step: StepResult, events: list[TokenEvent]) -> Iterator[TokenEvent]:
+    def _deliver(self, events: list[TokenEvent]) -> Iterator[TokenEvent]:
         n_read = 0
         try:
             for ev in events:
                 yield ev
                 n_read += 1
         except GeneratorExit:  # the consumer stopped inside this step (a stop string, Ctrl-C)
-            if self.speculative and n_read + 1 < len(events):
-                self._p.count_step(step, len(events), sign=-1)
-                self._p.count_step(step, n_read + 1)
+            self.keep(n_read + 1)
             raise
 
     def _settle_window(self, finished: bool) -> None:

@@ -217,7 +217,6 @@ class Scheduler(Worker):
         for run in runs:
             if run.gen is not None and run.gen in self.batch.live:
                 self.batch.live.remove(run.gen)
-                self.batch.prepared.discard(id(run.gen))
             run.session.reset()  # the memory's state after a failed decode is unknown: start clean
             run.job.emit(("error", err))
             self._release(run)
