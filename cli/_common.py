@@ -227,7 +227,7 @@ def engine_config(target: Path, draft: Path | None, settings: GenerationSettings
                   ngl: int | None = None, ngl_draft: int | None = None, vram_budget: str | None = None,
                   main_gpu: int = 0, tensor_split: str | None = None, device: str | None = None,
                   draft_device: str | None = None, cpu_amx: bool = False, flash_attn: str = "auto",
-                  rpc: str | None = None) -> EngineConfig:
+                  rpc: str | None = None, parallel: int = 1) -> EngineConfig:
     """The model-loading flags → the one EngineConfig a command hands down: the placement resolved (planner,
     --rpc probed), and the target's MTP head where the drafters need it."""
     from ..native.commands.placement import resolve_placement
@@ -236,12 +236,13 @@ def engine_config(target: Path, draft: Path | None, settings: GenerationSettings
     tgt, dft = str(target), str(draft) if draft else None
     p = resolve_placement(tgt, dft, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft, vram_budget=vram_budget,
                           main_gpu=main_gpu, tensor_split=tensor_split, device=device, draft_device=draft_device,
-                          cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc)
+                          cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc, parallel=parallel)
     return EngineConfig(target=tgt, draft=dft, ctx=ctx, threads=threads, ngl=p.ngl, ngl_draft=p.ngl_draft,
                         main_gpu=p.main_gpu, tensor_split=p.tensor_split, draft_tensor_split=p.draft_tensor_split,
                         devices=p.devices, draft_devices=p.draft_devices, draft_ctx=parse_ctx_draft(ctx_draft),
                         draft_threads=threads_draft, cpu_amx=p.cpu_amx, flash_attn=p.flash_attn,
-                        draft_flash_attn=p.draft_flash_attn, **engine_options(settings.drafters))
+                        draft_flash_attn=p.draft_flash_attn, parallel=parallel,
+                        **engine_options(settings.drafters))
 
 
 def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_min, temp, top_k, top_p, min_p, seed,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import logging
 import sys
@@ -124,8 +123,8 @@ def main(
         engine = engine_config(target, draft, defaults, ctx=ctx, threads=threads, ctx_draft=ctx_draft,
                                threads_draft=threads_draft, ngl=ngl, ngl_draft=ngl_draft, vram_budget=vram_budget,
                                main_gpu=main_gpu, tensor_split=tensor_split, device=device,
-                               draft_device=draft_device, cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc)
-        engine = dataclasses.replace(engine, parallel=parallel)
+                               draft_device=draft_device, cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc,
+                               parallel=parallel)
         server = open_server(engine, template=template, defaults=defaults, cfg=cfg)
         try:
             _route_server_logs(verbose)

@@ -59,7 +59,7 @@ def resolve_placement(target: str, draft: str | None, *, ctx: int, ngl: int | No
                       ngl_draft: int | None = None, vram_budget: str | None = None, main_gpu: int = 0,
                       tensor_split: str | None = None, device: str | None = None,
                       draft_device: str | None = None, cpu_amx: bool = False,
-                      flash_attn: str = "auto", rpc: str | None = None) -> Placement:
+                      flash_attn: str = "auto", rpc: str | None = None, parallel: int = 1) -> Placement:
     """Turn the placement flags into a Placement; an explicit --ngl/--ngl-draft wins over the planner.
 
     --rpc adds the servers' devices (RPC0, RPC1, ...) to llama.cpp's list first: the target then spreads over
@@ -110,7 +110,8 @@ def resolve_placement(target: str, draft: str | None, *, ctx: int, ngl: int | No
     return Placement(ngl=n_tgt, ngl_draft=n_dft, main_gpu=main_gpu, tensor_split=split,
                      draft_tensor_split=draft_split or (None if rpc else split), devices=devices,
                      draft_devices=draft_devices, cpu_amx=cpu_amx,
-                     flash_attn=choose_flash_attn(flash_attn, n_tgt, devices),
+                     flash_attn=choose_flash_attn(flash_attn, n_tgt, devices, parallel),
                      draft_flash_attn=choose_flash_attn(flash_attn, n_dft,
-                                                        draft_devices if draft_devices is not None else devices),
+                                                        draft_devices if draft_devices is not None else devices,
+                                                        parallel),
                      rpc=endpoints)

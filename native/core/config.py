@@ -16,23 +16,33 @@ if TYPE_CHECKING:
 FLASH_ATTN_VALUES = ("auto", "on", "off")
 
 
-def choose_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None) -> str:
-    """The attention path for one model: what --flash-attn says, and for auto, off when the model runs on the
-    CPU alone, else llama.cpp's own choice ("auto": on where the device supports it).
+FA_PARALLEL_MIN = 4  # sequences in one unified cache from which the CPU's flash-attention kernel pays
+
+
+def choose_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None, parallel: int = 1) -> str:
+    """The attention path for one model: what --flash-attn says, and for auto, on a model that runs on the CPU
+    alone off — or on where FA_PARALLEL_MIN or more sequences share its cache — else llama.cpp's own choice
+    ("auto": on where the device supports it).
 
     On the CPU, llama.cpp's flash-attention kernel decodes slower than the plain one once the context is
     long, and a verify batch more so: docs/benchmarks.md#long-context measures plain decoding and verifies
     both ways from 0.5k to 8k tokens. It does process a prompt faster, so a long prompt followed by a short
-    answer can be quicker with --flash-attn on."""
+    answer can be quicker with --flash-attn on. With several sequences in one unified cache (--parallel) the
+    plain kernel attends every row to every sequence's cells and masks the others', where the flash kernel skips
+    masked cells: at 4 sequences a plain step is 9-24% faster with it on at 200-2,000 tokens each, a verify of
+    4 rows each 0-17%; at 2 and 3 the verifies lose (docs/benchmarks.md, serve --parallel)."""
     if flag not in FLASH_ATTN_VALUES:
         raise UsageError(f"--flash-attn must be auto, on or off ({flag})")
     if flag != "auto":
         return flag
     if devices is not None and not devices:  # no device at all: the CPU (the draft beside --rpc devices)
-        return "off"
-    on_cpu = (ngl == 0 or not _ffi.supports_gpu_offload()) if not devices else \
-        all(d.upper().startswith("CPU") for d in devices)
-    return "off" if on_cpu else "auto"
+        on_cpu = True
+    else:
+        on_cpu = (ngl == 0 or not _ffi.supports_gpu_offload()) if not devices else \
+            all(d.upper().startswith("CPU") for d in devices)
+    if not on_cpu:
+        return "auto"
+    return "on" if parallel >= FA_PARALLEL_MIN else "off"
 
 
 @dataclass(frozen=True)

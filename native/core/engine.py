@@ -97,8 +97,8 @@ class Engine:
         self.threads = threads or physical_cores()
         self.draft_threads = draft_threads or self.threads
         draft_flash_attn = self.draft_flash_attn = choose_flash_attn(draft_flash_attn or flash_attn, ngl_draft,
-                                                                     draft_devices or devices)
-        flash_attn = choose_flash_attn(flash_attn, ngl, devices)
+                                                                     draft_devices or devices, parallel)
+        flash_attn = self.flash_attn = choose_flash_attn(flash_attn, ngl, devices, parallel)
         self.target = _ffi.Model(target, n_gpu_layers=ngl, main_gpu=main_gpu, tensor_split=tensor_split,
                                  devices=devices, cpu_amx=cpu_amx, load_mtp=mtp is not False)
         self.draft = None

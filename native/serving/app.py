@@ -331,6 +331,8 @@ class Handlers:
         m, w = self.state.metrics, self.state.worker
         m.deferred.set(w.waiting)
         m.slots(w.n_slots, w.busy, self.state.engine.tgt_ctx.n_multi_decodes)
+        if w.batch is not None:
+            m.batch(w.batch.planner)
         return Response(m.render(), media_type=m.content_type)
 
     async def chat(self, request):

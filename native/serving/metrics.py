@@ -59,6 +59,10 @@ class ServerMetrics:
                                       "running sequences (a long prompt joining).", registry=r)
         self.multi_verifies = Gauge("specq:verify_decodes_multi",
                                     "Target decodes that verified two or more sequences at once.", registry=r)
+        self.batch_steps = Gauge("specq:batch_steps", "Batched steps of two or more sequences, by what the batch's "
+                                 "planner did: planned (all), plain (no drafting where some sequence wished it), "
+                                 "capped (a draft shortened), probes (one token drafted to keep the estimates "
+                                 "current), refused (a probe not run: over its budget).", ["kind"], registry=r)
         self._gen_tokens = 0
         self._gen_seconds = 0.0
 
@@ -66,6 +70,12 @@ class ServerMetrics:
         self.slots_busy.set(busy)
         self.slots_idle.set(total - busy)
         self.multi_verifies.set(multi_verifies)
+
+    def batch(self, planner) -> None:
+        """The parallel batch's planner counters (control/batch_plan.BatchPlanner)."""
+        for kind, n in (("planned", planner.n_steps), ("plain", planner.n_plain), ("capped", planner.n_capped),
+                        ("probes", planner.n_probes), ("refused", planner.n_refused)):
+            self.batch_steps.labels(kind=kind).set(n)
 
     def observe(self, o: Outcome, slot: int | None = None) -> None:
         """Count one finished (or cancelled) generation (on sequence `slot` with --parallel)."""

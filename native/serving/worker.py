@@ -107,6 +107,7 @@ class Worker:
     `run()` is the loop, on the thread that loaded the engine; `submit` and `stop` may come from any thread."""
 
     n_slots = 1  # generations that run at once (Scheduler: --parallel)
+    batch = None  # the Scheduler's core.batch.Batch
 
     def __init__(self, engine: Engine, metrics: "ServerMetrics", max_queue: int):
         self.engine = engine
