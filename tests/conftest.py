@@ -56,6 +56,12 @@ def tiny_qwen35(models_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def mtp_target(models_dir) -> Path:
+    """A tiny qwen35 with an MTP head that agrees with the trunk on roughly 40% of greedy tokens."""
+    return write_tiny_qwen35(models_dir / "qwen35_mtp_bigram.gguf", seed=41, with_mtp=True, mtp_bigram=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen35_close(models_dir) -> Path:
     """tiny_qwen35's weights plus 3% noise: a hybrid draft that agrees with it on roughly 2 tokens in 3."""
     return write_tiny_qwen35(models_dir / "qwen35_close.gguf", seed=42, noise_from=(41, 0.03))

@@ -11,7 +11,6 @@ from specq.native.control.step import StepOutcome
 from specq.native.core.engine import Engine, SimulatedClock
 from specq.native.core.settings import GenerationSettings
 from test_adaptive import cpu_like_costs
-from tinymodels import write_tiny_qwen35
 
 
 def simulate(alphas: dict[str, float], draft_ms: dict[str, float], verify_ms, steps: int = 400, seed: int = 0):
@@ -82,11 +81,6 @@ def test_auto_is_deterministic_under_a_simulated_clock(tiny_target, tiny_unrelat
                                      GenerationSettings(n_predict=120, drafter="auto")).run()
             runs.append((g.stats.n_drafted_by, g.stats.steps_by_k, g.stats.n_plain_steps, clock.now))
     assert runs[0] == runs[1]
-
-
-@pytest.fixture(scope="module")
-def mtp_target(models_dir):
-    return write_tiny_qwen35(models_dir / "qwen35_mtp_bigram_auto.gguf", seed=41, with_mtp=True, mtp_bigram=True)
 
 
 def test_auto_includes_the_mtp_head_where_the_target_has_one(mtp_target):

@@ -16,15 +16,8 @@ from specq.native.core.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from stats import chi2_pvalue
 from test_exactness import sampled_law, target_law
-from tinymodels import write_tiny_qwen35
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Once upon a time"]
-
-
-@pytest.fixture(scope="module")
-def mtp_target(models_dir):
-    """A tiny qwen35 whose MTP head agrees with the trunk on roughly 40% of greedy tokens."""
-    return write_tiny_qwen35(models_dir / "qwen35_mtp_bigram.gguf", seed=41, with_mtp=True, mtp_bigram=True)
 
 
 def generate(e, toks, speculative, **kw):

@@ -55,6 +55,7 @@ def test_each_sequence_greedy_equals_its_own_run_alone(tiny_target, tiny_close):
     lengths = [40, 12, 33, 25]
     want = alone(tiny_target, PROMPTS, lengths)
     with Engine(tiny_target, tiny_close, ctx=256, threads=1, parallel=4) as e:
+        assert e.flash_attn == "on"  # four sequences on the CPU (config.choose_flash_attn): exact with it too
         gens = together(e, PROMPTS, lengths, late=1, draft_max=4)
         for g, w in zip(gens, want):
             assert len(set(w)) > 5
@@ -170,11 +171,26 @@ def test_one_sequence_keeps_the_targets_law_while_others_decode_beside_it(tiny_t
     assert chi2_pvalue(counts, law) > 0.001
 
 
-def test_parallel_refuses_the_mtp_drafter_and_a_bad_count(tiny_target):
-    with pytest.raises(UsageError, match="MTP"):
-        Engine(tiny_target, ctx=128, threads=1, parallel=2, mtp=True)
+def test_parallel_refuses_a_bad_count(tiny_target):
     with pytest.raises(UsageError, match="--parallel"):
         Engine(tiny_target, ctx=128, threads=1, parallel=0)
+
+
+def test_the_mtp_head_drafts_for_each_sequence_of_a_batch(mtp_target):
+    """Each sequence's head has its own memory (its sequence id in the MTP context) fed by its own rows of the
+    batched verifies (the trunk's hidden states routed by sequence): outputs equal to each one's run alone."""
+    lengths = [30, 18, 26, 22]
+    want = alone(mtp_target, PROMPTS, lengths)
+    with Engine(mtp_target, None, ctx=256, threads=1, parallel=4, mtp=True) as e:
+        gens = together(e, PROMPTS, lengths, late=1, draft_max=3, drafter="mtp")
+        for g, w in zip(gens, want):
+            assert len(set(w)) > 5
+            assert g.tokens == w
+            assert dict(g.stats.n_drafted_by)["mtp"] == g.stats.n_drafted > 0
+            assert 0 < g.stats.n_accepted < g.stats.n_drafted
+            head = g.session.drafters["mtp"]
+            assert e.mtp_ctx.pos_max(head.seq) + 1 == len(head.tokens) <= len(g.session.history)
+        assert e.tgt_ctx.n_multi_decodes > 0 and e.tgt_ctx.max_seqs_per_decode == 4
 
 
 def test_each_sequence_has_its_own_context_of_ctx_tokens(tiny_target):

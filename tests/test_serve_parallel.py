@@ -167,13 +167,17 @@ def test_max_queue_counts_the_requests_waiting_for_a_free_sequence(tiny_target):
             w.submit(jobs[3])
 
 
-def test_a_hybrid_target_serves_four_sequences_exactly(tiny_qwen35, tiny_qwen35_close, tmp_path):
+@pytest.mark.parametrize("drafter", ["model", "mtp"])
+def test_a_hybrid_target_serves_four_sequences_exactly(drafter, tiny_qwen35, tiny_qwen35_close, mtp_target,
+                                                       tmp_path):
     """A tiny qwen35 (recurrent + attention) target with --parallel 4: every rollback goes through its own
-    sequence's recurrent-state snapshots; four concurrent answers each equal the target alone (draft_max 0)."""
+    sequence's recurrent-state snapshots; four concurrent answers each equal the target alone (draft_max 0). With
+    --drafter mtp (no draft model: every drafted token is the head's) the target's own head drafts for every
+    sequence (its memory and trunk rows per sequence)."""
     target = tmp_path / "target.gguf"  # (the model's id is its file's stem: the tests ask for "target")
-    shutil.copy(tiny_qwen35, target)
-    srv = ServerProc(["--target", str(target), "--draft", str(tiny_qwen35_close), "--parallel", "4", *ARGS],
-                     tmp_path / "serve.log")
+    shutil.copy(tiny_qwen35 if drafter == "model" else mtp_target, target)
+    models = ["--draft", str(tiny_qwen35_close)] if drafter == "model" else ["--drafter", "mtp"]
+    srv = ServerProc(["--target", str(target), *models, "--parallel", "4", *ARGS], tmp_path / "serve.log")
     try:
         c = client(srv.url)
         plain = [chat(c, p, max_tokens=40, temperature=0, extra_body={"draft_max": 0}).choices[0].message.content

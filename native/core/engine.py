@@ -76,15 +76,11 @@ class Engine:
         (after the history's first DRAFT_SINK); None or 0: the whole context; "auto": the whole context, or a
         window of WINDOW_TRIAL tokens where a session measures that it pays (greedy, --draft-max auto).
         `parallel`: sequences held at once (`session(seq)` for each), `ctx` tokens each, in one cache per model, so
-        that one decode can carry rows of several (core/batch.py); more than one turns the MTP head and the window
-        trials off."""
+        that one decode can carry rows of several (core/batch.py), the MTP head's too; more than one turns the
+        window trials off."""
         if parallel < 1:
             raise UsageError(f"--parallel must be at least 1 ({parallel})")
-        if parallel > 1 and mtp is True:
-            raise UsageError(f"the MTP drafter runs one sequence at a time (--parallel {parallel}); "
-                             "use --parallel 1 or another --drafter")
         self.parallel = parallel
-        mtp = False if parallel > 1 else mtp
         self.window_auto = draft_ctx == "auto"
         if self.window_auto:
             draft_ctx = None
@@ -122,7 +118,7 @@ class Engine:
                                          flash_attn=draft_flash_attn, n_seq=parallel)
                             if self.draft is not None else None)
             if mtp is not False and self.target.n_layer_nextn > 0:
-                self.mtp_ctx = _ffi.MtpContext(self.target, ctx, self.threads, n_batch=n_batch)
+                self.mtp_ctx = _ffi.MtpContext(self.target, ctx, self.threads, n_batch=n_batch, n_seq=parallel)
             for c in (self.tgt_ctx, self.dft_ctx):
                 if c is not None:
                     c.warm_up()

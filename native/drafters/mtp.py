@@ -75,6 +75,7 @@ class MtpDrafter(Drafter):
     def __init__(self, session: Session):
         super().__init__(session)
         self.ctx = session.engine.mtp_ctx
+        self.seq = session.seq  # the head's memory for this session: the same sequence id as the target's
         self.history = session.history
         self.tokens: list[int] = []  # t_0..t_{m-1}: what the head's memory holds, each paired with h_{k-1}
         self.rows = HiddenRows(self.ctx.n_embd)
@@ -107,8 +108,8 @@ class MtpDrafter(Drafter):
         evaluated again when the head next drafts (missing_from)."""
         tgt_ctx = self.session.engine.tgt_ctx
         want = self.on_hidden if on else None
-        if tgt_ctx.on_hidden != want:
-            tgt_ctx.output_hidden(want)
+        if tgt_ctx.hidden_sink(self.seq) != want:
+            tgt_ctx.output_hidden(want, self.seq)
 
     def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
         """Draft with the target's MTP head, as a draft model does (the same picking, the same timings)."""
@@ -137,7 +138,7 @@ class MtpDrafter(Drafter):
 
     def clear(self) -> None:
         self.tokens.clear()
-        self.ctx.clear()
+        self.ctx.clear(self.seq)
         self.rows = HiddenRows(self.ctx.n_embd)
 
     def on_hidden(self, pos0: int, rows: np.ndarray) -> None:
@@ -163,17 +164,17 @@ class MtpDrafter(Drafter):
         toks, rows = self._pairs(upto)
         m = len(self.tokens)
         self.tokens.extend(toks)  # recorded first: an interruption leaves the list ahead of the memory
-        self.ctx.decode(toks, m, rows, logits_last=logits)
+        self.ctx.decode(toks, m, rows, logits_last=logits, seq=self.seq)
         self.rows.drop_before(upto - 1)  # h_{upto-1} pairs with the next committed token
 
     def truncate(self, n: int) -> None:
         """Make the head's memory hold exactly tokens[:n] (the memory is the source of truth, as in Memory)."""
-        held = self.ctx.pos_max() + 1
+        held = self.ctx.pos_max(self.seq) + 1
         if held < len(self.tokens):
             del self.tokens[held:]
         n = min(n, len(self.tokens))
         if held > n:
-            self.ctx.seq_rm(n, -1)
+            self.ctx.seq_rm(n, -1, self.seq)
             del self.tokens[n:]
 
     def missing_from(self) -> int | None:
@@ -198,7 +199,7 @@ class MtpDrafter(Drafter):
         """Feed drafted token d_i (i from 1) at its position with the head's own output state: no trunk state
         exists for an unverified token."""
         h = self.ctx.hidden()
-        self.ctx.decode([token], len(self.history) - 1 + i, h[None, :], logits_last=True)
+        self.ctx.decode([token], len(self.history) - 1 + i, h[None, :], logits_last=True, seq=self.seq)
 
     def end(self) -> None:
         """Remove the drafted positions (they carry the head's own state; the verify brings the trunk's)."""

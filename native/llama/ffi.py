@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -416,7 +417,7 @@ class Context(_Handle):
         # sliding-window layers that may have dropped old positions: the window (0: none, or a full-size cache)
         self.n_swa = 0 if swa_full else int(C.llama_model_n_swa(model.handle))
         self.on_decode = None  # called as on_decode(name, n_tokens, pos0) after each llama_decode (simulated clocks)
-        self.on_hidden = None  # with output_hidden(): called as on_hidden(pos0, rows) after each llama_decode
+        self._hidden_sinks: dict[int, Callable] = {}  # output_hidden(): seq → on_hidden(pos0, rows) after a decode
         self.n_outputs_max = int(n_outputs_max)
         self.n_warm_up_decodes = 0
 
@@ -446,16 +447,24 @@ class Context(_Handle):
             raise ValueError(f"{self.name}: sequence {seq} of {self.n_seq}")
         return SeqContext(self, seq)
 
-    def output_hidden(self, on_hidden) -> None:
-        """After each decode, hand the trunk's last hidden state of every batch position (the MTP head's input,
-        n_embd floats a row, no extra logits rows) to on_hidden(pos0, rows): a view valid during the call.
-        None turns the output off."""
+    def output_hidden(self, on_hidden, seq: int = 0) -> None:
+        """After each decode, hand the trunk's last hidden state of every batch position of sequence `seq` (the
+        MTP head's input, n_embd floats a row, no extra logits rows) to on_hidden(pos0, rows): a view valid during
+        the call. None stops it for that sequence; the output is on while any sequence has one."""
         from llama_cpp import llama_cpp_ext as X
 
-        # unmasked: a row per token, logits or not
-        X.llama_set_embeddings_nextn(self.handle, on_hidden is not None, False)
+        was = bool(self._hidden_sinks)
+        if on_hidden is None:
+            self._hidden_sinks.pop(seq, None)
+        else:
+            self._hidden_sinks[seq] = on_hidden
+        if bool(self._hidden_sinks) != was:  # unmasked: a row per token, logits or not
+            X.llama_set_embeddings_nextn(self.handle, bool(self._hidden_sinks), False)
         self._n_embd = self.model.n_embd_out
-        self.on_hidden = on_hidden
+
+    def hidden_sink(self, seq: int = 0):
+        """What output_hidden gave sequence `seq` (None: nothing)."""
+        return self._hidden_sinks.get(seq)
 
     @property
     def handle(self):
@@ -496,7 +505,7 @@ class Context(_Handle):
                 self._out[m - 1] = 1
             self._last_pos0[seq] = pos0 + start
             self._out_row = {seq: 0}
-            self._run(m, pos0 + start, f"{self.name}: batch of {m} at pos {pos0 + start}")
+            self._run(m, pos0 + start, f"{self.name}: batch of {m} at pos {pos0 + start}", [(seq, pos0 + start, m)])
             start += m
         self.n_outputs = (n - (start - m)) if logits == "all" else (1 if logits == "last" else 0)
 
@@ -505,7 +514,7 @@ class Context(_Handle):
         each sequence once. Their output rows follow the parts' order; `logits(n, seq)` reads a sequence's."""
         parts = [p for p in parts if p[1]]
         m = sum(len(p[1]) for p in parts)
-        if m > self.n_batch or len({p[0] for p in parts}) != len(parts) or self.on_hidden is not None:
+        if m > self.n_batch or len({p[0] for p in parts}) != len(parts):
             raise SpecqError(f"{self.name}: a batch of {m} rows over {len(parts)} sequences cannot be one decode "
                              f"(batch size {self.n_batch}); this is a bug in the caller")
         if m == 0:
@@ -532,7 +541,8 @@ class Context(_Handle):
         if len(parts) >= 2:
             self.n_multi_decodes += 1
             self.max_seqs_per_decode = max(self.max_seqs_per_decode, len(parts))
-        self._run(m, max(p[2] for p in parts), f"{self.name}: batch of {m} rows over {len(parts)} sequences")
+        self._run(m, max(p[2] for p in parts), f"{self.name}: batch of {m} rows over {len(parts)} sequences",
+                  [(seq, pos0, len(tokens)) for seq, tokens, pos0, _ in parts])
 
     def _set_seqs(self, m: int, seq: int | None) -> None:
         """Point the batch's first m rows at their sequences (seq, or for None what _seq_want holds); only the
@@ -545,8 +555,9 @@ class Context(_Handle):
             b.seq_id[int(i)][0] = int(want[i])
         self._seq_ids[:m] = want
 
-    def _run(self, m: int, pos0: int, what: str) -> None:
-        """llama_decode of the batch's first m rows, timed; its return code as an exception."""
+    def _run(self, m: int, pos0: int, what: str, spans: list[tuple[int, int, int]]) -> None:
+        """llama_decode of the batch's first m rows, timed; its return code as an exception. `spans`: the rows'
+        sequences in order, (seq, first position, rows) each, for the hidden-state sinks."""
         self._batch.n_tokens = m
         t0 = time.perf_counter()
         with call_clock(f"{self.name} decode"):
@@ -555,8 +566,13 @@ class Context(_Handle):
         self.n_decode_calls += 1
         if self.on_decode is not None:
             self.on_decode(self.name, m, pos0)
-        if rc == 0 and self.on_hidden is not None:
-            self.on_hidden(pos0, self._hidden_rows(m))
+        if rc == 0 and self._hidden_sinks:
+            rows, i = self._hidden_rows(m), 0
+            for seq, p0, n in spans:
+                sink = self._hidden_sinks.get(seq)
+                if sink is not None:
+                    sink(p0, rows[i:i + n])
+                i += n
         if rc != 0:
             if rc == 1:
                 raise ContextFullError(
@@ -688,7 +704,8 @@ class MtpContext(_Handle):
     is fed a token and a hidden-state row (llama_batch_ext); the output row gives logits and the block's own
     hidden state, which feeds the next drafted position."""
 
-    def __init__(self, model: Model, n_ctx: int, n_threads: int, n_batch: int = 512):
+    def __init__(self, model: Model, n_ctx: int, n_threads: int, n_batch: int = 512, n_seq: int = 1):
+        """`n_seq`: sequences held at once (one per target sequence), n_ctx positions each, in one unified cache."""
         from llama_cpp import llama_cpp_ext as X
 
         self.model = model
@@ -696,9 +713,10 @@ class MtpContext(_Handle):
         if model.n_layer_nextn < 1:
             raise SpecqError(f"the target has no MTP layers ({model.path}); use --drafter model or ngram")
         params = C.llama_context_default_params()
-        params.n_ctx = int(n_ctx)
+        params.n_ctx = int(n_ctx) * int(n_seq)
         params.n_batch = params.n_ubatch = int(n_batch)
-        params.n_seq_max = 1
+        params.n_seq_max = int(n_seq)
+        params.kv_unified = n_seq > 1
         params.n_threads = params.n_threads_batch = int(n_threads)
         params.no_perf = True
         params.ctx_type = C.LLAMA_CONTEXT_TYPE_MTP
@@ -710,7 +728,8 @@ class MtpContext(_Handle):
         # Unmasked: a state row per batch position. (Masked, qwen35's MTP graph copies the batch's first rows, not
         # the output rows: its state is taken before the output rows are selected.)
         X.llama_set_embeddings_nextn(handle, True, False)
-        self.n_ctx = int(C.llama_n_ctx(handle))
+        self.n_seq = int(n_seq)
+        self.n_ctx = int(C.llama_n_ctx(handle)) // self.n_seq  # one sequence's
         self.n_batch = int(C.llama_n_batch(handle))
         self.n_vocab = model.n_vocab
         self.n_embd = model.n_embd_out
@@ -731,9 +750,9 @@ class MtpContext(_Handle):
         C.llama_batch_ext_free(self._batch)
         C.llama_free(handle)
 
-    def decode(self, tokens, pos0: int, hidden: np.ndarray, logits_last: bool) -> None:
-        """Evaluate tokens[i] at position pos0+i paired with hidden[i] (float32 rows of n_embd); only the last
-        position's logits and hidden state are output, and only when logits_last."""
+    def decode(self, tokens, pos0: int, hidden: np.ndarray, logits_last: bool, seq: int = 0) -> None:
+        """Evaluate tokens[i] at position pos0+i of sequence `seq` paired with hidden[i] (float32 rows of n_embd);
+        only the last position's logits and hidden state are output, and only when logits_last."""
         n = len(tokens)
         if hidden.shape != (n, self.n_embd):
             raise SpecqError(f"mtp: {n} tokens need {n} hidden rows of {self.n_embd} ({hidden.shape}); "
@@ -747,7 +766,7 @@ class MtpContext(_Handle):
             m = min(self.n_batch, n - start)
             C.llama_batch_ext_clear(b)
             for i in range(start, start + m):
-                idx = C.llama_batch_ext_add_token(b, 0, int(tokens[i]))
+                idx = C.llama_batch_ext_add_token(b, int(seq), int(tokens[i]))
                 pos = C.llama_pos(pos0 + i)
                 row = hidden[i]
                 ok = idx >= 0 and C.llama_batch_ext_set_pos(b, idx, ctypes.byref(pos)) and \
@@ -785,14 +804,18 @@ class MtpContext(_Handle):
             raise SpecqError("mtp: no hidden state available from the last decode")
         return np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
 
-    def seq_rm(self, p0: int, p1: int = -1) -> bool:
-        return bool(C.llama_memory_seq_rm(self._mem, 0, p0, p1))
+    def seq_rm(self, p0: int, p1: int = -1, seq: int = 0) -> bool:
+        return bool(C.llama_memory_seq_rm(self._mem, int(seq), p0, p1))
 
-    def pos_max(self) -> int:
-        return int(C.llama_memory_seq_pos_max(self._mem, 0))
+    def pos_max(self, seq: int = 0) -> int:
+        return int(C.llama_memory_seq_pos_max(self._mem, int(seq)))
 
-    def clear(self) -> None:
-        C.llama_memory_clear(self._mem, True)
+    def clear(self, seq: int | None = None) -> None:
+        """Empty one sequence's positions (None: the whole cache)."""
+        if seq is None or self.n_seq == 1:
+            C.llama_memory_clear(self._mem, True)
+        else:
+            C.llama_memory_seq_rm(self._mem, int(seq), 0, -1)
 
 
 def _new_chain():
