@@ -115,6 +115,12 @@ MUTANTS = [
     Mutant("shared-step-costs", "a step shared with other sequences teaches each sequence's controller the batch's "
                                 "verify time as its own",
            (("native/control/length.py", "        if step.shared:\n", "        if False:\n"),)),
+    Mutant("mtp-rows-of-first-seq", "in a batched verify every MTP head is handed sequence 0's trunk rows",
+           (("native/llama/ffi.py", "                sink = self._hidden_sinks.get(seq)\n",
+             "                sink = self._hidden_sinks.get(0)\n"),)),
+    Mutant("mtp-one-memory", "every sequence's MTP head decodes into sequence 0 of the head's cache",
+           (("native/llama/ffi.py", "C.llama_batch_ext_add_token(b, int(seq), int(tokens[i]))",
+             "C.llama_batch_ext_add_token(b, 0, int(tokens[i]))"),)),
     Mutant("logprobs-after-temperature", "logprobs reported from the tempered distribution, not the raw logits",
            (("native/core/logprobs.py", "    x = row.astype(np.float64)\n", "    x = row.astype(np.float64) / 1.5\n"),)),
     Mutant("logprobs-row-shift", "a token's logprobs read from the row after the one that chose it",
