@@ -18,8 +18,10 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -44,6 +46,12 @@ def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str
     return cmd
 
 
+def batch_steps(url: str) -> dict[str, float]:
+    """specq's /metrics specq:batch_steps{kind} as {kind: count}."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r'^specq:batch_steps\{kind="(\w+)"\} (\S+)$', text, re.M)}
+
+
 def run_n(n: int, kinds: list[str], target: Path, draft: Path, prompts: list[str], a, texts: dict,
           tmp: str) -> list[dict]:
     """Each server in turn, alone on the machine (an idle llama-server's threads still poll: three servers up at
@@ -57,12 +65,14 @@ def run_n(n: int, kinds: list[str], target: Path, draft: Path, prompts: list[str
             run_load(srv.url, model, prompts, 1, 1, 16)  # warm-up: the weights touched, the threads started
             extra = {"draft_max": 0} if kind == "specq plain" else {}  # the target alone, batched
             row = run_load(srv.url, model, prompts, n, a.requests, a.max_tokens, extra, texts, kind)
+            if kind == "specq" and n > 1:  # what the batch's planner did (plain steps: drafting did not pay)
+                row["batch_steps"] = batch_steps(srv.url)
         finally:
             srv.stop()
         out.append({"server": kind, "parallel": n, **row})
         print(f"{kind:>18} N={n}: {row['total_tokens_per_s']:.1f} tok/s aggregate, TTFT p50 "
-              f"{row['ttft_p50_s']:.2f}s p95 {row['ttft_p95_s']:.2f}s, errors {len(row['errors'])}",
-              file=sys.stderr, flush=True)
+              f"{row['ttft_p50_s']:.2f}s p95 {row['ttft_p95_s']:.2f}s, errors {len(row['errors'])}"
+              + (f", batch steps {row['batch_steps']}" if "batch_steps" in row else ""), file=sys.stderr, flush=True)
     return out
 
 
