@@ -6,10 +6,12 @@ draft (`--spec-type draft-simple --spec-draft-model D --spec-draft-n-max 8`). N 
 R greedy chat requests each (serve_load.run_load); "specq plain" is the same server asked for the target alone
 (`draft_max: 0` in each request); reported per server and N: aggregate tokens/s (every client's
 tokens over the wall time), median and p95 time to first token. Each server is restarted for each N (its -np,
-specq's --parallel). Also: how many prompts got the same answer from every server at every N.
+specq's --parallel). With --rounds R the servers take turns R times at each N and the ratios are of the medians
+over the rounds (every round's row is kept). Also: how many prompts got the same answer from every server at
+every N.
 
     python benchmarks/serve_vs_llamaserver.py --llama-server PATH/llama-server [--pair demo|deep] \
-        [--clients 1,4,8] [--requests 2] [--max-tokens 96] [--json benchmarks/results/serve_vs_llamaserver-X.json]
+        [--clients 1,4,8] [--requests 2] [--max-tokens 96] [--rounds 1] [--json benchmarks/results/serve_vs_llamaserver-X.json]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 import tempfile
 import urllib.request
@@ -85,6 +88,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft-max", default="auto")
+    ap.add_argument("--rounds", type=int, default=1, help="turns of every server at each N (medians over them)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     target, draft = pair(a.pair)
@@ -94,18 +98,22 @@ def main() -> None:
     rows, texts = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for n in [int(x) for x in a.clients.split(",")]:
-            rows += run_n(n, kinds, target, draft, prompts, a, texts, tmp)
+            for r in range(a.rounds):
+                rows += [{**row, "round": r} for row in run_n(n, kinds, target, draft, prompts, a, texts, tmp)]
     ratios = {}
     for n in sorted({r["parallel"] for r in rows}):
-        by = {r["server"]: r for r in rows if r["parallel"] == n}
+        by = {k: {f: statistics.median(r[f] for r in rows if r["parallel"] == n and r["server"] == k)
+                  for f in ("total_tokens_per_s", "ttft_p50_s")} for k in kinds}
         s = by["specq"]
         ratios[n] = {"vs_plain": s["total_tokens_per_s"] / by["llama-server plain"]["total_tokens_per_s"],
                      "plain_vs_plain": by["specq plain"]["total_tokens_per_s"]
                      / by["llama-server plain"]["total_tokens_per_s"],
                      "vs_spec": s["total_tokens_per_s"] / by["llama-server spec"]["total_tokens_per_s"],
-                     "ttft_p50_vs_plain": s["ttft_p50_s"] / by["llama-server plain"]["ttft_p50_s"]}
-        print(f"N={n}: specq/plain {ratios[n]['vs_plain']:.2f}x, specq/spec {ratios[n]['vs_spec']:.2f}x, "
-              f"TTFT p50 specq/plain {ratios[n]['ttft_p50_vs_plain']:.2f}x", file=sys.stderr, flush=True)
+                     "ttft_p50_vs_plain": s["ttft_p50_s"] / by["llama-server plain"]["ttft_p50_s"],
+                     "medians": by}
+        print(f"N={n}: specq/plain {ratios[n]['vs_plain']:.2f}x, specq plain/plain {ratios[n]['plain_vs_plain']:.2f}x, "
+              f"specq/spec {ratios[n]['vs_spec']:.2f}x, TTFT p50 specq/plain {ratios[n]['ttft_p50_vs_plain']:.2f}x",
+              file=sys.stderr, flush=True)
     same = {"prompts": len(texts), "identical": sum(len(v) == 1 for v in texts.values())}
     doc = {"pair": a.pair, "target": target.name, "draft": draft.name, "ctx_per_sequence": CTX,
            "settings": {k: (Path(v).name if k == "llama_server" else v) for k, v in vars(a).items() if k != "json"}, "machine": platform.machine(),
