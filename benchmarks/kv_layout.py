@@ -1,0 +1,103 @@
+"""The KV layout of `--parallel N` on the CPU: specq's one unified cache (kv_unified, every sequence's cells in one
+stream) against llama-server's default of one stream per sequence (`-np N` without `--kv-unified`), for one
+target decode of N sequences after P cached tokens each, flash attention on in both (as both servers run it at
+N ≥ 4 on the CPU). Row patterns: a plain step (1 row each), an equal verify (r rows each) and a mixed one (the
+first sequence 5 rows, the others 1: separate streams split it into equal-length ubatches, one graph each).
+Two contexts, timed in turn, medians after a warm-up.
+
+    python benchmarks/kv_layout.py [--pair demo|deep] [--threads 2] [--parallel 4,8] [--depths 200,1000] \
+        [--json benchmarks/results/kv_layout-deep-cpu2.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from deep_pair import pair  # noqa: E402
+from specq.native.llama import ffi  # noqa: E402
+
+PATTERNS = {"plain": lambda n: [1] * n, "verify 3": lambda n: [3] * n, "mixed 5+1": lambda n: [5] + [1] * (n - 1)}
+
+
+def context(model: ffi.Model, unified: bool, n: int, threads: int) -> ffi.Context:
+    """A context of n sequences, 2,048 cells each, in one stream (unified) or n (what ffi.Context does not offer:
+    its kv_unified is set here through the parameters llama.cpp gets)."""
+    orig = ffi.C.llama_init_from_model
+
+    def init(handle, params):
+        params.kv_unified = unified
+        return orig(handle, params)
+
+    ffi.C.llama_init_from_model = init
+    try:
+        return ffi.Context(model, 2048, threads, n_seq=n, flash_attn="on")
+    finally:
+        ffi.C.llama_init_from_model = orig
+
+
+def measure(model: ffi.Model, threads: int, n: int, depth: int, repeat: int) -> list[dict]:
+    ctxs = {"unified": context(model, True, n, threads), "streams": context(model, False, n, threads)}
+    rng = np.random.default_rng(0)
+    out = []
+    try:
+        for c in ctxs.values():
+            for s in range(n):
+                c.decode(rng.integers(300, c.n_vocab - 1, depth).tolist(), 0, logits="none", seq=s)
+        for name, rows in PATTERNS.items():
+            ts: dict[str, list[float]] = {k: [] for k in ctxs}
+            for _ in range(repeat + 1):
+                for k, c in ctxs.items():
+                    parts = [(s, rng.integers(300, c.n_vocab - 1, r).tolist(), depth, "all")
+                             for s, r in enumerate(rows(n))]
+                    t0 = time.perf_counter()
+                    c.decode_seqs(parts)
+                    ts[k].append(time.perf_counter() - t0)
+                    for s in range(n):
+                        c.seq_rm(depth, -1, seq=s)
+            ms = {k: 1e3 * statistics.median(v[1:]) for k, v in ts.items()}
+            out.append({"parallel": n, "depth": depth, "rows": name, "unified_ms": ms["unified"],
+                        "streams_ms": ms["streams"], "unified_over_streams": ms["unified"] / ms["streams"]})
+            print(f"N={n} depth {depth} {name}: unified {ms['unified']:.1f} ms, streams {ms['streams']:.1f} ms "
+                  f"({ms['unified'] / ms['streams']:.2f}x)", file=sys.stderr, flush=True)
+    finally:
+        for c in ctxs.values():
+            c.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", choices=("demo", "deep"), default="demo")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--parallel", default="4,8")
+    ap.add_argument("--depths", default="200,1000")
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    target, _ = pair(a.pair)
+    load0 = os.getloadavg()
+    model = ffi.Model(target)
+    rows = []
+    for n in [int(x) for x in a.parallel.split(",")]:
+        for p in [int(x) for x in a.depths.split(",")]:
+            rows += measure(model, a.threads, n, p, a.repeat)
+    doc = {"pair": a.pair, "target": target.name, "settings": {k: v for k, v in vars(a).items() if k != "json"},
+           "machine": platform.machine(), "cpus": os.cpu_count(), "load_before": load0,
+           "load_after": os.getloadavg(), "rows": rows}
+    if a.json:
+        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
