@@ -19,9 +19,9 @@ def test_auto_turns_flash_attention_off_on_the_cpu_and_leaves_gpus_to_llama_cpp(
     assert choose_flash_attn("auto", 999, ("CUDA0",)) == "auto"
     assert choose_flash_attn("auto", 999, ("CUDA0", "CPU")) == "auto"
     assert choose_flash_attn("on", 0, None) == "on" and choose_flash_attn("off", 999, ("CUDA0",)) == "off"
-    # four sequences or more in one unified cache: the flash kernel skips the other sequences' masked cells
-    assert choose_flash_attn("auto", 0, None, parallel=3) == "off"
-    assert choose_flash_attn("auto", 0, None, parallel=4) == "on"
+    # two sequences or more in one unified cache: the flash kernel skips the other sequences' masked cells
+    assert choose_flash_attn("auto", 0, None, parallel=1) == "off"
+    assert choose_flash_attn("auto", 0, None, parallel=2) == "on"
     assert choose_flash_attn("auto", 999, (), parallel=8) == "on"
     assert choose_flash_attn("auto", 999, ("CUDA0",), parallel=8) == "auto"
     assert choose_flash_attn("off", 0, None, parallel=8) == "off"

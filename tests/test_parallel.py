@@ -17,9 +17,10 @@ from stats import chi2_pvalue
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "Once upon a time, there"]
 
 
-def alone(target, prompts: list[str], lengths: list[int], ctx: int = 256) -> list[list[int]]:
-    """Each prompt's greedy answer from the target alone, one sequence, one token per step."""
-    with Engine(target, ctx=ctx, threads=1) as e:
+def alone(target, prompts: list[str], lengths: list[int], ctx: int = 256, flash_attn: str = "auto") -> list[list[int]]:
+    """Each prompt's greedy answer from the target alone, one sequence, one token per step (`flash_attn`: the
+    attention path; one sequence on the CPU runs the plain kernel under auto)."""
+    with Engine(target, ctx=ctx, threads=1, flash_attn=flash_attn) as e:
         out = []
         for p, n in zip(prompts, lengths):
             ses = e.session()
@@ -236,8 +237,11 @@ def test_demo_pair_four_sequences_each_as_alone():
 
 def test_a_shared_prompt_start_is_copied_from_another_sequence_not_evaluated(tiny_target, tiny_close):
     system = "You are a careful assistant who answers in short sentences. " * 2
-    want = alone(tiny_target, [system + PROMPTS[1]], [20])[0]
+    # two sequences run the flash kernel on the CPU (config.FA_PARALLEL_MIN): the reference runs it too, so that a
+    # difference is the copied prefix's, not the kernels' rounding at a near tie
+    want = alone(tiny_target, [system + PROMPTS[1]], [20], flash_attn="on")[0]
     with Engine(tiny_target, tiny_close, ctx=512, threads=1, parallel=2) as e:
+        assert e.flash_attn == "on"
         a, b = e.session(0), e.session(1)
         a.generate(e.tokenize(system + PROMPTS[0]), GenerationSettings(n_predict=8, draft_max=4)).run()
         prompt = e.tokenize(system + PROMPTS[1])

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 FLASH_ATTN_VALUES = ("auto", "on", "off")
 
 
-FA_PARALLEL_MIN = 4  # sequences in one unified cache from which the CPU's flash-attention kernel pays
+FA_PARALLEL_MIN = 2  # sequences in one unified cache from which the CPU's flash-attention kernel pays
 
 
 def choose_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None, parallel: int = 1) -> str:
@@ -29,8 +29,9 @@ def choose_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None, para
     both ways from 0.5k to 8k tokens. It does process a prompt faster, so a long prompt followed by a short
     answer can be quicker with --flash-attn on. With several sequences in one unified cache (--parallel) the
     plain kernel attends every row to every sequence's cells and masks the others', where the flash kernel skips
-    masked cells: at 4 sequences a plain step is 9-24% faster with it on at 200-2,000 tokens each, a verify of
-    4 rows each 0-17%; at 2 and 3 the verifies lose (docs/benchmarks.md, serve --parallel)."""
+    masked cells: benchmarks/parallel_attention.py (docs/benchmarks.md, "The attention path with several
+    sequences") measured it faster with it on at 2, 4 and 8 sequences, plain steps and verifies of 4 rows each, at
+    200-2,000 tokens each (0.40-0.96 of the time off), where one sequence is as fast either way (0.94-1.10)."""
     if flag not in FLASH_ATTN_VALUES:
         raise UsageError(f"--flash-attn must be auto, on or off ({flag})")
     if flag != "auto":
