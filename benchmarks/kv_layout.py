@@ -11,10 +11,7 @@ Two contexts, timed in turn, medians after a warm-up.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -25,6 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from deep_pair import pair  # noqa: E402
+from parallel_attention import arguments, write  # noqa: E402
 from specq.native.llama import ffi  # noqa: E402
 
 PATTERNS = {"plain": lambda n: [1] * n, "verify 3": lambda n: [3] * n, "mixed 5+1": lambda n: [5] + [1] * (n - 1)}
@@ -77,14 +75,7 @@ def measure(model: ffi.Model, threads: int, n: int, depth: int, repeat: int) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pair", choices=("demo", "deep"), default="demo")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--parallel", default="4,8")
-    ap.add_argument("--depths", default="200,1000")
-    ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--json")
-    a = ap.parse_args()
+    a = arguments(__doc__, 2, "4,8", "200,1000")
     target, _ = pair(a.pair)
     load0 = os.getloadavg()
     model = ffi.Model(target)
@@ -92,11 +83,7 @@ def main() -> None:
     for n in [int(x) for x in a.parallel.split(",")]:
         for p in [int(x) for x in a.depths.split(",")]:
             rows += measure(model, a.threads, n, p, a.repeat)
-    doc = {"pair": a.pair, "target": target.name, "settings": {k: v for k, v in vars(a).items() if k != "json"},
-           "machine": platform.machine(), "cpus": os.cpu_count(), "load_before": load0,
-           "load_after": os.getloadavg(), "rows": rows}
-    if a.json:
-        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+    write(a, target, load0, rows)
 
 
 if __name__ == "__main__":

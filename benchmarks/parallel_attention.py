@@ -62,25 +62,35 @@ def measure(target: Path, threads: int, n: int, depths: list[int], repeat: int) 
     return rows_out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(doc: str, threads: int, parallel: str, depths: str) -> argparse.Namespace:
+    """The options of this script and of kv_layout.py (one decode of N sequences at P tokens each)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--pair", choices=("demo", "deep"), default="demo")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--parallel", default="1,2,3,4,8")
-    ap.add_argument("--depths", default="200,1000,2000")
+    ap.add_argument("--threads", type=int, default=threads)
+    ap.add_argument("--parallel", default=parallel)
+    ap.add_argument("--depths", default=depths)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--json")
-    a = ap.parse_args()
-    target, _ = pair(a.pair)
-    load0 = os.getloadavg()
-    rows = []
-    for n in [int(x) for x in a.parallel.split(",")]:
-        rows += measure(target, a.threads, n, [int(x) for x in a.depths.split(",")], a.repeat)
+    return ap.parse_args()
+
+
+def write(a: argparse.Namespace, target: Path, load0: tuple, rows: list[dict]) -> None:
+    """The run's JSON (settings, machine, load before and after, every row) to --json, where given."""
     doc = {"pair": a.pair, "target": target.name, "settings": {k: v for k, v in vars(a).items() if k != "json"},
            "machine": platform.machine(), "cpus": os.cpu_count(), "load_before": load0,
            "load_after": os.getloadavg(), "rows": rows}
     if a.json:
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def main() -> None:
+    a = arguments(__doc__, 1, "1,2,3,4,8", "200,1000,2000")
+    target, _ = pair(a.pair)
+    load0 = os.getloadavg()
+    rows = []
+    for n in [int(x) for x in a.parallel.split(",")]:
+        rows += measure(target, a.threads, n, [int(x) for x in a.depths.split(",")], a.repeat)
+    write(a, target, load0, rows)
 
 
 if __name__ == "__main__":
