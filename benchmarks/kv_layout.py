@@ -1,7 +1,7 @@
 """The KV layout of `--parallel N` on the CPU: specq's one unified cache (kv_unified, every sequence's cells in one
 stream) against llama-server's default of one stream per sequence (`-np N` without `--kv-unified`), for one
 target decode of N sequences after P cached tokens each, flash attention on in both (as both servers run it at
-N ≥ 4 on the CPU). Row patterns: a plain step (1 row each), an equal verify (r rows each) and a mixed one (the
+N ≥ 2 on the CPU). Row patterns: a plain step (1 row each), an equal verify (r rows each) and a mixed one (the
 first sequence 5 rows, the others 1: separate streams split it into equal-length ubatches, one graph each).
 Two contexts, timed in turn, medians after a warm-up.
 
@@ -28,24 +28,9 @@ from specq.native.llama import ffi  # noqa: E402
 PATTERNS = {"plain": lambda n: [1] * n, "verify 3": lambda n: [3] * n, "mixed 5+1": lambda n: [5] + [1] * (n - 1)}
 
 
-def context(model: ffi.Model, unified: bool, n: int, threads: int) -> ffi.Context:
-    """A context of n sequences, 2,048 cells each, in one stream (unified) or n (what ffi.Context does not offer:
-    its kv_unified is set here through the parameters llama.cpp gets)."""
-    orig = ffi.C.llama_init_from_model
-
-    def init(handle, params):
-        params.kv_unified = unified
-        return orig(handle, params)
-
-    ffi.C.llama_init_from_model = init
-    try:
-        return ffi.Context(model, 2048, threads, n_seq=n, flash_attn="on")
-    finally:
-        ffi.C.llama_init_from_model = orig
-
-
 def measure(model: ffi.Model, threads: int, n: int, depth: int, repeat: int) -> list[dict]:
-    ctxs = {"unified": context(model, True, n, threads), "streams": context(model, False, n, threads)}
+    ctxs = {k: ffi.Context(model, 2048, threads, n_seq=n, flash_attn="on", unified=k == "unified")
+            for k in ("unified", "streams")}
     rng = np.random.default_rng(0)
     out = []
     try:

@@ -360,14 +360,15 @@ class Context(_Handle):
 
     def __init__(self, model: Model, n_ctx: int, n_threads: int, n_batch: int = 512,
                  n_outputs_max: int = 0, name: str = "model", n_rs_seq: int = 0, flash_attn: str = "auto",
-                 swa_full: bool = False, n_seq: int = 1):
+                 swa_full: bool = False, n_seq: int = 1, unified: bool | None = None):
         """`n_rs_seq`: recurrent-state snapshots kept for rolling back the tail of the last decode without a
         checkpoint (llama.cpp's experimental n_rs_seq; 0 where the architecture does not support it).
         `flash_attn`: "on", "off" or "auto" (llama.cpp's choice: on where the device supports it).
         `swa_full`: give sliding-window layers a full-size cache (llama.cpp's default) instead of one that keeps
         about window + n_ubatch positions; specq keeps the small one and checks each rollback (`window_intact`).
         `n_seq`: sequences held at once, n_ctx cells each, in one unified cache (kv_unified: a batch mixing any
-        sequences with any row counts is one ubatch, where separate streams split it into equal-length ones)."""
+        sequences with any row counts is one ubatch, where separate streams split it into equal-length ones);
+        `unified` False: one stream per sequence instead (benchmarks/kv_layout.py compares the two)."""
         self.model = model
         self.name = name
         params = C.llama_context_default_params()
@@ -375,7 +376,7 @@ class Context(_Handle):
         params.n_batch = int(n_batch)
         params.n_ubatch = int(n_batch)
         params.n_seq_max = int(n_seq)
-        params.kv_unified = n_seq > 1
+        params.kv_unified = n_seq > 1 if unified is None else unified
         params.n_threads = int(n_threads)
         params.n_threads_batch = int(n_threads)
         params.n_outputs_max = int(n_outputs_max)
