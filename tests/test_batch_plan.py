@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from specq.native.control.batch_plan import BatchPlanner, Wish
+from specq.native.control.batch_plan import LONE_PLAIN, BatchPlanner, Wish
 from specq.native.control.expected import expected_tokens
 from specq.native.control.length import AdaptiveDraft
 from specq.native.control.step import StepOutcome
@@ -167,7 +167,8 @@ def test_sequences_joining_a_batch_that_does_not_draft_leave_the_draft_alone(tin
     """Once the batch's own costs say plain, a joining sequence's prefill takes no calibration timings or prompt
     agreement and its draft does not read the prompt (it would catch up if the batch drafted again): the draft
     model decodes only for the batch's probes. While the batch knows nothing of the draft, one joiner of a burst
-    gets its draft ready (its timings price the draft), not all. Output exact."""
+    gets its draft ready (its timings price the draft), not all; once the batch has said plain, not even the one
+    that joins an empty batch, and the last one left alone stays plain. Output exact."""
     want = alone(tiny_target, PROMPTS, [48] * 4)
     calls = {"draft": 0, "target": 0}
     steep = clock_with(1.0).cost  # every row costs a token: drafting never pays in a batch
@@ -191,9 +192,81 @@ def test_sequences_joining_a_batch_that_does_not_draft_leave_the_draft_alone(tin
             assert [g.tokens for g in gens] == want
             if rnd == 0:  # the batch knew nothing of the draft: one sequence got its draft ready, to price it
                 assert not planner.drafting and planner.knows_draft and b.n_unprepared == 3 and calls["draft"] > 0
-        # the first joiner (an empty batch: it may run alone) reads its prompt in a few decodes; then only probes
-        assert b.n_unprepared == 3 and calls["draft"] <= 6 + 2 * (planner.n_probes - probes0)
-        # one verify a step, one prefill decode for each joiner (no timed spans), but the first: it joined an
-        # empty batch, where it may run alone (its controller's timings: a few single decodes)
-        assert 4 + b.n_steps < calls["target"] <= 4 + b.n_steps + 3
+        # then the batch's verdict holds for every joiner, the first (an empty batch) too, and for the last one
+        # left alone: the draft model decodes only for the probes (a catch-up and a token each)
+        assert b.n_unprepared == 4 and b.n_lone_plain > 0 and calls["draft"] <= 2 * (planner.n_probes - probes0)
+        # one prefill decode for each joiner (no timed spans), one verify a step
+        assert calls["target"] == 4 + b.n_steps
         assert all(len(g.session.dft.tokens) < len(g.session.history) // 2 for g in gens if not g.stats.n_drafted)
+
+
+def test_the_last_sequence_left_alone_after_a_plain_batch_stays_plain(tiny_target, tiny_unrelated):
+    """Rows up to 4 cost one pass, each further row a token: one sequence gains by drafting 3 tokens alone, four
+    together only by plain decoding. When three of four unprepared sequences end, the last one left alone keeps
+    the batch's plain verdict (BatchPlanner.settled_plain) instead of having its draft read its whole text for a
+    few steps, where its own controller would try the draft (a small one: its cost prior says drafting pays alone);
+    after LONE_PLAIN steps alone it drafts on its own again. Output exact."""
+    lengths = [24, 24, 24, 40]
+    want = alone(tiny_target, PROMPTS, lengths)
+    assert all(len(t) == n for t, n in zip(want, lengths)) and all(len(set(t)) > 3 for t in want)
+    calls = {"draft": 0}
+
+    def cost(name: str, n: int, pos0: int = 0) -> float:
+        if name == "draft":
+            calls["draft"] += 1
+            return (1.0 + 0.1 * (n - 1)) / 1e3
+        return 20.0 * (1.4 + max(n - 4, 0)) / 1e3 if n > 1 else 20.0e-3
+
+    def by_itself(n: int) -> tuple[Batch, object]:
+        g = e.session(3).generate(e.tokenize(PROMPTS[3]), GenerationSettings(n_predict=n, draft_max="auto"))
+        b = Batch(planner)
+        b.add(g)
+        b.run()
+        assert g.tokens == want[3][:n]
+        return b, g
+
+    planner = BatchPlanner()
+    with Engine(tiny_target, tiny_unrelated, ctx=512, threads=1, parallel=4, clock=SimulatedClock(cost)) as e:
+        for rnd in range(2):
+            b = Batch(planner)
+            gens = [e.session(i).generate(e.tokenize(p), GenerationSettings(n_predict=n, draft_max="auto"))
+                    for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+            calls["draft"], probes0 = 0, planner.n_probes
+            for g in gens:
+                b.add(g)
+            b.run()
+            assert [g.tokens for g in gens] == want
+        assert b.n_unprepared == 4 and not planner.drafting
+        assert b.n_lone_plain == 16  # the last one's steps alone, one token each
+        assert gens[3].stats.n_drafted == 0 and calls["draft"] <= 6
+        # alone for longer than LONE_PLAIN steps: the verdict lapses, and the sequence drafts on its own
+        b, g = by_itself(40)
+        assert b.n_lone_plain == LONE_PLAIN - 16 - 1 and g.stats.n_drafted > 0  # (its first step is plain anyway)
+
+
+def test_draft_decodes_timed_in_a_prefill_price_a_batchs_first_steps(tiny_target):
+    """A quantized draft's decode grows with its rows faster than the target's (on a CPU: 11 ms for one row,
+    31 for four, where the F32 target takes 28 and 42). Priced from one draft token grown as the target's
+    decode grows, four sequences drafting together look cheap and the batch drafts until it has measured
+    otherwise; the draft decodes of several rows the first sequence's prefill times (`draft_rows`) price the
+    batch's first steps right: plain from the start, exact."""
+    want = alone(tiny_target, PROMPTS, [24] * 4)
+
+    def cost(name: str, n: int, pos0: int = 0) -> float:
+        if name == "draft":
+            return (2.0 + 8.0 * (n - 1)) / 1e3
+        return 20.0 * (1.0 + 0.1 * n) / 1e3 if n > 1 else 20.0e-3
+
+    with Engine(tiny_target, tiny_target, ctx=512, threads=1, parallel=4, clock=SimulatedClock(cost)) as e:
+        b = Batch()
+        gens = [e.session(i).generate(e.tokenize(p), GenerationSettings(n_predict=24, draft_max="auto"))
+                for i, p in enumerate(PROMPTS)]
+        for g in gens:
+            b.add(g)
+        assert gens[0].controller.draft_rows == {}  # (read with the prompt, after the first token)
+        for _ in range(12):
+            b.step()
+        assert 2 in gens[0].controller.draft_rows and b.planner.knows_draft  # (a short prompt: no 5-row span)
+        assert b.planner.n_steps >= 10 and b.planner.n_plain == b.planner.n_steps
+        b.run()
+        assert [g.tokens for g in gens] == want

@@ -29,6 +29,8 @@ from typing import Sequence
 from .costs import TargetCosts, running_mean
 from .expected import expected_tokens
 
+LONE_PLAIN = 32  # steps run by one sequence alone after which the batch's plain verdict no longer holds (settled_plain)
+
 
 @dataclass(frozen=True)
 class Wish:
@@ -76,6 +78,8 @@ class BatchPlanner:
         self._plain_s = 0.0  # the predicted plain step a probe replaced
         self.draft_ratio = 0.2  # until a draft decode was measured: it costs this share of a target decode as large
         self.last_c = 0  # the last choice (before any probe)
+        self.lone_steps = 0  # steps run by one sequence alone since the last planned step
+        self.plain_share = 0.0  # the share of planned steps that chose plain decoding, a running mean (ema)
 
     def at(self, n_ctx: int) -> None:
         """The batch's mean context."""
@@ -117,6 +121,19 @@ class BatchPlanner:
         return self.last_c > 0
 
     @property
+    def settled_plain(self) -> bool:
+        """Whether the recent verdicts at two sequences or more were mostly plain decoding (plain_share: one step
+        that drafted, say as the batch emptied, does not overturn them) and no sequence has run alone
+        for LONE_PLAIN steps since: the load that made drafting not pay is likely still there (a server's clients
+        send their next requests as the last ones end), so a sequence that joins an empty batch or is left alone
+        in one need not get its draft ready."""
+        return self.n_steps > 0 and self.plain_share > 0.5 and self.lone_steps < LONE_PLAIN
+
+    def alone(self) -> None:
+        """A step ran with one sequence (the planner was not asked)."""
+        self.lone_steps += 1
+
+    @property
     def knows_draft(self) -> bool:
         """Whether a draft decode's cost was measured (or seeded from a sequence's timings)."""
         return any(c.v_mean for c in self.draft.bands.values())
@@ -135,6 +152,7 @@ class BatchPlanner:
         if top == 0:
             return [w.k for w in wishes]
         self.n_steps += 1
+        self.lone_steps = 0
         best_c, best = 0, self.rate(wishes, 0)
         for c in range(1, top + 1):  # (the rate rises to its peak and falls: stop two lengths past it)
             r = self.rate(wishes, c)
@@ -143,6 +161,8 @@ class BatchPlanner:
             elif c >= best_c + 2:
                 break
         self.last_c = best_c
+        self.plain_share = running_mean(self.plain_share, float(best_c == 0), self.ema) if self.n_steps > 1 \
+            else float(best_c == 0)
         ks = self.capped(wishes, best_c)
         if best_c == 0:
             self.plain_streak += 1
@@ -200,13 +220,17 @@ class BatchPlanner:
             self.spent_s += extra
             self.probe_gap = self.probe_min if extra < 0 else min(2 * self.probe_gap, self.probe_max)
 
-    def seed(self, verify_s: dict[int, float], draft_ratio: float, draft_token_s: float | None, n_ctx: int) -> None:
+    def seed(self, verify_s: dict[int, float], draft_ratio: float, draft_token_s: float | None, n_ctx: int,
+             draft_rows: dict[int, float] | None = None) -> None:
         """Until the batch has measured them, price its decodes as a sequence measured them alone: verifies by
-        size (a line through them extends to the batch's rows), a draft token as timed (where one was: a draft
-        decode of any rows costs that until more is measured), else a draft decode as `draft_ratio` of a target
+        size (a line through them extends to the batch's rows), a draft token as timed and draft decodes of
+        several rows as timed in its prefill (`draft_rows`; without them a draft decode grows as the target's
+        would: a quantized draft's does not, it grows faster), else a draft decode as `draft_ratio` of a target
         decode as large (the drafter's prior)."""
         for b, v in verify_s.items():
             self.verify.calibrate(n_ctx, v, b)
         self.draft_ratio = draft_ratio
         if draft_token_s is not None:
             self.draft.calibrate(n_ctx, draft_token_s)
+            for b, d in (draft_rows or {}).items():
+                self.draft.calibrate(n_ctx, d, b)

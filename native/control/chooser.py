@@ -54,7 +54,7 @@ class AdaptiveDrafters:
         """A prefill's timing at n_ctx: the target's for all, the draft model's for its drafter."""
         self.shared.calibrate(n_ctx, target_s, None, n_tokens)
         if draft_token_s is not None and self.model in self.per:
-            self.per[self.model].calibrate(n_ctx, target_s, draft_token_s)
+            self.per[self.model].calibrate(n_ctx, target_s, draft_token_s, n_tokens)
 
     def wants_agreement(self) -> bool:
         """Whether the draft model's prompt agreement would inform the next choice (AdaptiveDraft's)."""

@@ -70,6 +70,7 @@ class AdaptiveDraft:
         self.remaining = DEFAULT_HORIZON  # tokens the generation may still emit (at's)
         self.n_calibrations = 0
         self.n_batch_calibrations = 0
+        self.draft_rows: dict[int, float] = {}  # a draft decode of n rows timed in a prefill (calibrate), by n
         self.overhead = 0.0
         self.ema = ema
         self.probe_k = probe_k
@@ -95,11 +96,15 @@ class AdaptiveDraft:
 
     def calibrate(self, n_ctx: int, target_s: float, draft_token_s: float | None, n_tokens: int = 1) -> None:
         """Seed n_ctx's band with a target decode of n_tokens (one token, or a batch priced as a verify of that
-        size) and, for a single token, one draft token timed at that context."""
+        size) and, for a single token, one draft token timed at that context. A draft decode of several tokens is
+        kept in `draft_rows` (a sequence drafts one row a decode; a batch of sequences drafts one row each:
+        core/batch.py seeds its planner with these)."""
         if self.owns_target:
             self.target.calibrate(n_ctx, target_s, n_tokens)
         if n_tokens > 1:
             self.n_batch_calibrations += 1
+            if draft_token_s is not None:
+                self.draft_rows[n_tokens] = draft_token_s
             return
         if draft_token_s is not None:
             self.draft.calibrate(n_ctx, draft_token_s)

@@ -139,17 +139,20 @@ class Batch:
         self.planner = BatchPlanner() if planner is None else planner
         self.plan_lengths = True
         self.n_unprepared = 0  # joiners whose drafts were left alone
+        self.n_lone_plain = 0  # steps of an unprepared sequence alone, kept plain (_alone)
 
     def add(self, gen: Generation) -> None:
         """Evaluate a generation's prompt and make it live. Its draft is got ready (calibration timings, prompt
-        agreement, and after the first token the prompt read) where it may run alone, where the batch drafts, and
-        — while the batch knows nothing of the draft's cost — for one sequence, whose timings price it; else the
-        draft reads the prompt as a catch-up when the batch first lets it draft (at high load maybe never)."""
+        agreement, and after the first token the prompt read) where it may run alone (an empty batch, unless the
+        load that made the batch stop drafting is likely still there: BatchPlanner.settled_plain), where the batch
+        drafts, and — while the batch knows nothing of the draft's cost — for one sequence, whose timings price it;
+        else the draft reads the prompt as a catch-up when the batch first lets it draft (at high load maybe never)."""
         seqs = {g.session.seq for g in self.live}
         if gen.session.seq in seqs:
             raise ValueError(f"sequence {gen.session.seq} already runs a generation in this batch")
         pl = self.planner
-        prepare = not self.live or pl.drafting or not pl.knows_draft and not any(g.prepared for g in self.live)
+        prepare = not pl.settled_plain and (not self.live or pl.drafting) \
+            or not pl.knows_draft and not any(g.prepared for g in self.live)
         gen.start(prepare=prepare)
         if not prepare:
             self.n_unprepared += 1
@@ -172,6 +175,8 @@ class Batch:
             clock = going[0].session.engine.clock
             t0 = clock()
             wishes = [wish(g, plan) for g, plan in zip(going, plans)] if len(going) > 1 else []
+            if not wishes:
+                plans = self._alone(going[0], plans)
             if wishes and self.plan_lengths:
                 plans = self._cap(going, wishes, plans)
             results = step_all([Ask(g.session, g.settings, g.sampling, *plan) for g, plan in zip(going, plans)])
@@ -184,12 +189,23 @@ class Batch:
                 self.planner.observe(wishes, [x.n_drafted for x in results], [len(x.emitted) for x in results],
                                      r.draft_s, r.verify_s, clock() - t0 - r.draft_s - r.verify_s, loop_s)
             for g in going:  # a first token is out (or, here, ready): a prepared draft reads the prompt now
-                g.after_delivery(read=len(going) == 1 or g.prepared or self.planner.drafting)
+                g.after_delivery(read=g.prepared or self.planner.drafting
+                                 or len(going) == 1 and not self.planner.settled_plain)
             for g in going:
                 if g.ended:  # it leaves at once: its stats are final, its sequence free
                     self.live.remove(g)
                     g.conclude()
         return out
+
+    def _alone(self, g: Generation, plans: list) -> list:
+        """A sequence stepping alone: its own plan, or plain decoding while its draft was never got ready and the
+        batch's plain verdict still holds (a draft model would first read all of its text, for a few steps before
+        the next request joins)."""
+        self.planner.alone()
+        if not g.prepared and self.planner.settled_plain:
+            self.n_lone_plain += 1
+            return [(0, plans[0][1])]
+        return plans
 
     def _cap(self, going: list[Generation], wishes: list[Wish], plans: list) -> list:
         """The batch's draft lengths (control/batch_plan.py), seeded with a sequence's own measured costs."""
@@ -199,7 +215,8 @@ class Batch:
             ctrl = _length_controller(g, None)
             if w.adaptive and ctrl is not None:
                 timed = ctrl.t_first if ctrl.t_first is not None else ctrl.t_draft
-                pl.seed(ctrl.target.band.v_mean, ctrl.draft.ratio_prior, timed, pl.verify.n_ctx)  # (until measured)
+                pl.seed(ctrl.target.band.v_mean, ctrl.draft.ratio_prior, timed, pl.verify.n_ctx,
+                        ctrl.draft_rows)  # (until measured)
                 break
         ks = pl.plan(wishes)
         return [(k, drafters) for k, (_, drafters) in zip(ks, plans)]

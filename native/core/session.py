@@ -51,8 +51,8 @@ class Span:
 
 
 class Timing(NamedTuple):
-    """A timed span: what a decode of n tokens at pos cost the target (every row's logits, as a verify), and for a
-    single token what one cost the drafter that reads the prompt (None where none was timed)."""
+    """A timed span: what a decode of n tokens at pos cost the target (every row's logits, as a verify), and what
+    one of as many cost the drafter that reads the prompt (None where none was timed)."""
 
     pos: int
     n: int
@@ -276,7 +276,7 @@ class Session:
             if span.agree:
                 self._agree_reader(span.pos, got)
             else:
-                draft_s = reader.time_token(span.pos) if span.n == 1 and reader is not None else None
+                draft_s = reader.time_token(span.pos, span.n) if reader is not None else None
                 out.append(Timing(span.pos, span.n, got, draft_s))
         if reader is not None:
             reader.read_to(len(self.history) - 1)  # all but the last token, as the target (a first token too)

@@ -153,13 +153,13 @@ class ModelDrafter(Drafter):
         self.fit(pos + 1)
         self.memory.extend(self.session.history[self.memory.next_index():pos], logits="none")
 
-    def time_token(self, pos: int) -> float | None:
-        """Decode history[pos] alone and time it, where the memory stands there (None otherwise)."""
+    def time_token(self, pos: int, n: int = 1) -> float | None:
+        """Decode history[pos:pos+n] as one batch and time it, where the memory stands there (None otherwise)."""
         if self.memory.next_index() != pos:
             return None
         clock = self.session.engine.clock
         t0 = clock()
-        self.memory.extend([self.session.history[pos]], logits="last")
+        self.memory.extend(self.session.history[pos:pos + n], logits="last")
         return clock() - t0
 
     def before_agreement(self, pos: int, n: int) -> None:
