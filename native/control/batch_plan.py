@@ -11,8 +11,11 @@ whole batch:
     Σᵢ Eᵢ(min(kᵢ, c)) / (Σⱼ d(mⱼ) + V(Σᵢ (min(kᵢ, c) + 1)) + overhead)
 
 where Eᵢ is sequence i's E(k) (expected.py), d(m) one draft decode of m rows, and the first draft decode reads
-every drafting sequence's catch-up (the tokens it has not seen: what its last step emitted, or a plain stretch)
-while the j-th (j ≥ 2) reads one row of each of the mⱼ sequences drafting a j-th token. V and d are the batch's own measurements (costs.TargetCosts keyed by rows), at the batch's mean
+every drafting sequence's catch-up (what its last step emitted) while the j-th (j ≥ 2) reads one row of each of
+the mⱼ sequences drafting a j-th token. After a plain stretch the first draft decode reads every token since, for
+every sequence (four sequences 130 tokens behind each: 2.5 s of the demo draft on 2 CPU cores, 60 plain steps):
+that one-time extra is charged to the choice spread over SWITCH_STEPS steps, so the batch goes back to drafting
+only where drafting pays the catch-up back within them. V and d are the batch's own measurements (costs.TargetCosts keyed by rows), at the batch's mean
 context. Where a verify is cheap in its rows (a GPU) c stays at the sequences' own lengths; where every extra row
 costs (a CPU) c falls as the batch grows, to 0. Sequences with a fixed draft length keep it (they are counted,
 not capped). While c = 0 wins, a probe runs after `probe_gap` plain steps (doubling while probes lose): one token
@@ -29,6 +32,7 @@ from typing import Sequence
 from .costs import TargetCosts, running_mean
 from .expected import expected_tokens
 
+SWITCH_STEPS = 16  # the steps over which a switch from plain decoding to drafting must pay its catch-ups back
 LONE_PLAIN = 32  # steps run by one sequence alone after which the batch's plain verdict no longer holds (settled_plain)
 
 
@@ -139,8 +143,13 @@ class BatchPlanner:
         return any(c.v_mean for c in self.draft.bands.values())
 
     def rate(self, wishes: Sequence[Wish], c: int) -> float:
+        """Expected tokens per second drafting at most c: a step as it will run once every draft has caught up,
+        plus its first step's extra (the drafts that sat out a plain stretch read every token since) spread over
+        SWITCH_STEPS steps."""
         ks = self.capped(wishes, c)
-        return sum(w.expected(k) for w, k in zip(wishes, ks)) / self.step_s(wishes, ks, steady=True)
+        steady = self.step_s(wishes, ks, steady=True)
+        first = self.step_s(wishes, ks)
+        return sum(w.expected(k) for w, k in zip(wishes, ks)) / (steady + (first - steady) / SWITCH_STEPS)
 
     @staticmethod
     def capped(wishes: Sequence[Wish], c: int) -> list[int]:
