@@ -33,6 +33,7 @@ from deep_pair import pair  # noqa: E402
 from serve_load import PROMPTS, Server, free_port, model_of, run_load  # noqa: E402
 
 CTX = 2048  # one sequence's context (specq --ctx; llama-server -c N·CTX)
+KINDS = ("specq", "specq plain", "llama-server plain", "llama-server spec")
 
 
 def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str]:
@@ -89,11 +90,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--draft-max", default="auto")
     ap.add_argument("--rounds", type=int, default=1, help="turns of every server at each N (medians over them)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="the servers to run (ratios need all four)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     target, draft = pair(a.pair)
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
-    kinds = ["specq", "specq plain", "llama-server plain", "llama-server spec"]
+    kinds = [k.strip() for k in a.kinds.split(",")]
+    if not set(kinds) <= set(KINDS):
+        ap.error(f"--kinds: choose from {', '.join(KINDS)}")
     load0 = os.getloadavg()
     rows, texts = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,15 +108,14 @@ def main() -> None:
     for n in sorted({r["parallel"] for r in rows}):
         by = {k: {f: statistics.median(r[f] for r in rows if r["parallel"] == n and r["server"] == k)
                   for f in ("total_tokens_per_s", "ttft_p50_s")} for k in kinds}
-        s = by["specq"]
-        ratios[n] = {"vs_plain": s["total_tokens_per_s"] / by["llama-server plain"]["total_tokens_per_s"],
-                     "plain_vs_plain": by["specq plain"]["total_tokens_per_s"]
-                     / by["llama-server plain"]["total_tokens_per_s"],
-                     "vs_spec": s["total_tokens_per_s"] / by["llama-server spec"]["total_tokens_per_s"],
-                     "ttft_p50_vs_plain": s["ttft_p50_s"] / by["llama-server plain"]["ttft_p50_s"],
-                     "medians": by}
-        print(f"N={n}: specq/plain {ratios[n]['vs_plain']:.2f}x, specq plain/plain {ratios[n]['plain_vs_plain']:.2f}x, "
-              f"specq/spec {ratios[n]['vs_spec']:.2f}x, TTFT p50 specq/plain {ratios[n]['ttft_p50_vs_plain']:.2f}x",
+        def ratio(a_: str, b_: str, f: str = "total_tokens_per_s") -> float | None:
+            return by[a_][f] / by[b_][f] if a_ in by and b_ in by else None
+
+        ratios[n] = {"vs_plain": ratio("specq", "llama-server plain"),
+                     "plain_vs_plain": ratio("specq plain", "llama-server plain"),
+                     "vs_spec": ratio("specq", "llama-server spec"),
+                     "ttft_p50_vs_plain": ratio("specq", "llama-server plain", "ttft_p50_s"), "medians": by}
+        print(f"N={n}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios[n].items() if isinstance(v, float)),
               file=sys.stderr, flush=True)
     same = {"prompts": len(texts), "identical": sum(len(v) == 1 for v in texts.values())}
     doc = {"pair": a.pair, "target": target.name, "draft": draft.name, "ctx_per_sequence": CTX,

@@ -257,3 +257,16 @@ def test_every_drafters_controller_prices_the_verify_on_one_shared_model():
     c.observe(StepOutcome(8, 8, 0.010, 0.050, 0.0, 0.081, 0.011, drafter="model"))
     assert c.per["ngram"].verify_s(9) == c.shared.verify_s(9) == 0.050
     assert c.per["model"].budget is c.per["ngram"].budget is c.shared.budget
+
+
+def test_a_prefills_timed_draft_batches_stay_batches_under_auto():
+    """A prefill times the draft model on a 5-token batch as well as on one token: under --drafter auto the model
+    drafter keeps the batch as a batch (draft_rows, what a batch of sequences would pay), not as the price of one
+    drafted token, which would be five times too dear."""
+    c = AdaptiveDrafters(16, {"model": 0.3, "ngram": 0.01}, model="model", memoryless={"ngram"})
+    c.calibrate(600, 0.060, 0.025, 5)
+    model = c.per["model"]
+    model.at(600)
+    assert model.draft_rows == {5: 0.025} and model.t_first is None
+    c.calibrate(600, 0.030, 0.006)
+    assert model.t_first == pytest.approx(0.006)
