@@ -10,18 +10,19 @@ whole batch:
 
     Σᵢ Eᵢ(min(kᵢ, c)) / (Σⱼ d(mⱼ) + V(Σᵢ (min(kᵢ, c) + 1)) + overhead)
 
-where Eᵢ is sequence i's E(k) (expected.py), d(m) one draft decode of m rows, and the first draft decode reads
-every drafting sequence's catch-up (what its last step emitted) while the j-th (j ≥ 2) reads one row of each of
-the mⱼ sequences drafting a j-th token. After a plain stretch the first draft decode reads every token since, for
-every sequence (four sequences 130 tokens behind each: 2.5 s of the demo draft on 2 CPU cores, 60 plain steps):
-that one-time extra is charged to the choice spread over SWITCH_STEPS steps, so the batch goes back to drafting
-only where drafting pays the catch-up back within them. V and d are the batch's own measurements (costs.TargetCosts keyed by rows), at the batch's mean
-context. Where a verify is cheap in its rows (a GPU) c stays at the sequences' own lengths; where every extra row
-costs (a CPU) c falls as the batch grows, to 0. Sequences with a fixed draft length keep it (they are counted,
-not capped). While c = 0 wins, a probe runs after `probe_gap` plain steps (doubling while probes lose): one token
-drafted by ONE sequence, the one whose draft is least behind (a draft model that sat out a plain stretch must read
-every token since, and eight such catch-ups at once cost seconds on a CPU), and only where its predicted extra cost
-fits `probe_share` of the batch's time so far, so that the estimates for drafting stay current at a bounded price.
+where Eᵢ is sequence i's E(k) (expected.py), d(m) one draft decode of m rows, and the first draft decode reads every
+drafting sequence's catch-up (what its last step emitted) while the j-th (j ≥ 2) reads one row of each of the mⱼ
+sequences drafting a j-th token. After a plain stretch the first draft decode reads every token since, for every
+sequence (four sequences 130 tokens behind each: 2.5 s of the demo draft on 2 CPU cores, 60 plain steps): that
+one-time extra is charged to the choice spread over SWITCH_STEPS steps, so the batch goes back to drafting only
+where drafting pays the catch-up back within them. V and d are the batch's own measurements (costs.TargetCosts keyed
+by rows), at the batch's mean context. Where a verify is cheap in its rows (a GPU) c stays at the sequences' own
+lengths; where every extra row costs (a CPU) c falls as the batch grows, to 0. Sequences with a fixed draft length
+keep it (they are counted, not capped). While c = 0 wins, a probe runs after `probe_gap` plain steps (doubling while
+probes lose): one token drafted by ONE sequence, the one whose draft is least behind (a draft model that sat out a
+plain stretch must read every token since, and eight such catch-ups at once cost seconds on a CPU), and only where
+its predicted extra cost fits `probe_share` of the batch's time so far, so that the estimates for drafting stay
+current at a bounded price.
 """
 
 from __future__ import annotations
