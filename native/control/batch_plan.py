@@ -84,7 +84,7 @@ class BatchPlanner:
         self.draft_ratio = 0.2  # until a draft decode was measured: it costs this share of a target decode as large
         self.last_c = 0  # the last choice (before any probe)
         self.lone_steps = 0  # steps run by one sequence alone since the last planned step
-        self.plain_share = 0.0  # the share of planned steps that chose plain decoding, a running mean (ema)
+        self.plain_share: float | None = None  # the share of planned steps that chose plain decoding (running mean)
 
     def at(self, n_ctx: int) -> None:
         """The batch's mean context."""
@@ -94,13 +94,22 @@ class BatchPlanner:
     # -- the decision ------------------------------------------------------------------------------------------
     def step_s(self, wishes: Sequence[Wish], ks: Sequence[int], steady: bool = False) -> float:
         """The predicted time of a step drafting ks; `steady`: with every catch-up at most what one step emits (a
-        long catch-up is paid once, not every step: the choice of c looks past it)."""
+        long catch-up is paid once, not every step: `rate` spreads it, catchup_extra_s)."""
         drafting = [(w, k) for w, k in zip(wishes, ks) if w.decodes and k > 0]
         d = 0.0
         if drafting:
             d = self.draft_s(sum(min(w.behind, k + 1) if steady else w.behind for w, k in drafting))
             d += sum(self.draft_s(m) for m in later_rows([k for _, k in drafting]))
         return d + self.verify.verify_s(sum(k + 1 for k in ks)) + self.overhead
+
+    def catchup_extra_s(self, wishes: Sequence[Wish], ks: Sequence[int]) -> float:
+        """What a step drafting ks costs beyond its steady self: its first draft decode reads every drafting
+        sequence's whole catch-up, not at most what one step emits."""
+        drafting = [(w, k) for w, k in zip(wishes, ks) if w.decodes and k > 0]
+        if not drafting:
+            return 0.0
+        return self.draft_s(sum(w.behind for w, _ in drafting)) \
+            - self.draft_s(sum(min(w.behind, k + 1) for w, k in drafting))
 
     def draft_s(self, rows: int) -> float:
         """d(rows) at the current context: measured; between measured sizes on the line through the nearest two
@@ -132,7 +141,7 @@ class BatchPlanner:
         for LONE_PLAIN steps since: the load that made drafting not pay is likely still there (a server's clients
         send their next requests as the last ones end), so a sequence that joins an empty batch or is left alone
         in one need not get its draft ready."""
-        return self.n_steps > 0 and self.plain_share > 0.5 and self.lone_steps < LONE_PLAIN
+        return self.plain_share is not None and self.plain_share > 0.5 and self.lone_steps < LONE_PLAIN
 
     def alone(self) -> None:
         """A step ran with one sequence (the planner was not asked)."""
@@ -148,9 +157,8 @@ class BatchPlanner:
         plus its first step's extra (the drafts that sat out a plain stretch read every token since) spread over
         SWITCH_STEPS steps."""
         ks = self.capped(wishes, c)
-        steady = self.step_s(wishes, ks, steady=True)
-        first = self.step_s(wishes, ks)
-        return sum(w.expected(k) for w, k in zip(wishes, ks)) / (steady + (first - steady) / SWITCH_STEPS)
+        spent = self.step_s(wishes, ks, steady=True) + self.catchup_extra_s(wishes, ks) / SWITCH_STEPS
+        return sum(w.expected(k) for w, k in zip(wishes, ks)) / spent
 
     @staticmethod
     def capped(wishes: Sequence[Wish], c: int) -> list[int]:
@@ -171,8 +179,7 @@ class BatchPlanner:
             elif c >= best_c + 2:
                 break
         self.last_c = best_c
-        self.plain_share = running_mean(self.plain_share, float(best_c == 0), self.ema) if self.n_steps > 1 \
-            else float(best_c == 0)
+        self.plain_share = running_mean(self.plain_share, float(best_c == 0), self.ema)
         ks = self.capped(wishes, best_c)
         if best_c == 0:
             self.plain_streak += 1

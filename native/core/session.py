@@ -276,7 +276,7 @@ class Session:
             if span.agree:
                 self._agree_reader(span.pos, got)
             else:
-                draft_s = reader.time_token(span.pos, span.n) if reader is not None else None
+                draft_s = reader.time_span(span.pos, span.n) if reader is not None else None
                 out.append(Timing(span.pos, span.n, got, draft_s))
         if reader is not None:
             reader.read_to(len(self.history) - 1)  # all but the last token, as the target (a first token too)

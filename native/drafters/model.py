@@ -153,7 +153,7 @@ class ModelDrafter(Drafter):
         self.fit(pos + 1)
         self.memory.extend(self.session.history[self.memory.next_index():pos], logits="none")
 
-    def time_token(self, pos: int, n: int = 1) -> float | None:
+    def time_span(self, pos: int, n: int = 1) -> float | None:
         """Decode history[pos:pos+n] as one batch and time it, where the memory stands there (None otherwise)."""
         if self.memory.next_index() != pos:
             return None
