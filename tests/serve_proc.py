@@ -17,6 +17,20 @@ START_TIMEOUT_S = 120  # loading even the tiny models can take a while on a busy
 _PORT = re.compile(r"on http://127\.0\.0\.1:(\d+)/v1")
 
 
+MARGIN_BUG = 0.5  # INTERFACES.md, Exactness: a divergence at a logit margin above this is a bug, not rounding
+
+
+def divergence_margin(got: list, want: list) -> float | None:
+    """Where two greedy answers first differ by a token, given their OpenAI `logprobs.content` entries: the gap
+    between the two tokens' raw log-probabilities there (the same prefix: a difference of logits); None where they
+    agree token for token. llama.cpp's batched and single-row kernels round differently, so at a near tie (a gap
+    well under MARGIN_BUG) either token may come out."""
+    i = next((i for i, (x, y) in enumerate(zip(got, want)) if x.bytes != y.bytes), None)
+    if i is None:
+        return None if len(got) == len(want) else float("inf")
+    return abs(want[i].logprob - got[i].logprob)
+
+
 class ServerProc:
     """`specq serve ARGS` listening on 127.0.0.1; always stop() it (the fixtures do, in their teardown)."""
 

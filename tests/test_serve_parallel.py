@@ -1,5 +1,6 @@
 """`specq serve --parallel N` end to end: a real server on a free loopback port, the real `openai` client, several
-clients at once. Every answer is the one it gets alone; cancelled clients and stop strings touch only their own
+clients at once. Every answer is the one it gets alone (token for token, or up to a near tie that the
+batched kernels' rounding turned: INTERFACES.md, Exactness); cancelled clients and stop strings touch only their own
 sequence; several sequences share each verify decode."""
 
 from __future__ import annotations
@@ -7,12 +8,13 @@ from __future__ import annotations
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from serve_proc import ServerProc, http  # noqa: E402
+from serve_proc import MARGIN_BUG, ServerProc, divergence_margin, http  # noqa: E402
 from test_serve import PROMPTS, chat, client  # noqa: E402
 
 ARGS = ["--draft-max", "4", "--threads", "1", "--max-tokens", "3000", "--ctx", "512", "--max-body", "16KiB"]
@@ -28,13 +30,32 @@ def server(tiny_target, tiny_close, tmp_path_factory):
         srv.stop()
 
 
-def stream_text(c, prompt: str, max_tokens: int, **kw) -> tuple[str, str, dict]:
-    """A streamed greedy chat answer: (text, finish_reason, usage.speculative)."""
-    chunks = list(chat(c, prompt, max_tokens=max_tokens, temperature=0, stream=True,
+class Answer(NamedTuple):
+    text: str
+    finish: str
+    spec: dict | None  # usage.speculative
+    tokens: list  # logprobs.content entries
+
+
+def stream_text(c, prompt: str, max_tokens: int, **kw) -> Answer:
+    """A streamed greedy chat answer, with each token's log-probability."""
+    chunks = list(chat(c, prompt, max_tokens=max_tokens, temperature=0, stream=True, logprobs=True,
                        stream_options={"include_usage": True}, **kw))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     finish = next(ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason)
-    return text, finish, chunks[-1].usage.model_extra["speculative"]
+    tokens = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    return Answer(text, finish, chunks[-1].usage.model_extra["speculative"], tokens)
+
+
+def as_alone(got: Answer, want: Answer) -> bool:
+    """`got`, answered beside other sequences, is `want`, answered alone: the same text and finish, or the same
+    tokens up to where a near tie went the other way (INTERFACES.md, Exactness: batched kernels round
+    differently; a tiny model's greedy answers of a few hundred tokens meet such a tie now and then)."""
+    if (got.text, got.finish) == (want.text, want.finish):
+        return True
+    margin = divergence_margin(got.tokens, want.tokens)
+    print(f"diverged from the answer alone at a logit margin of {margin}: {got.text!r} / {want.text!r}")
+    return margin is not None and margin < MARGIN_BUG
 
 
 def lengths(i: int) -> int:
@@ -47,10 +68,10 @@ def test_eight_concurrent_greedy_clients_each_get_their_answer_alone(server):
     before = server.metrics()["specq:verify_decodes_multi"]
     with ThreadPoolExecutor(8) as pool:
         together = list(pool.map(lambda i: stream_text(client(server.url), PROMPTS[i], lengths(i)), range(8)))
-    for (text, finish, spec), (want, want_finish, _) in zip(together, alone):
-        assert len(set(want.split())) > 3
-        assert (text, finish) == (want, want_finish)
-        assert spec["n_drafted"] > 0 and spec["shared_time"] == "whole"
+    for i, (got, want) in enumerate(zip(together, alone)):
+        assert len(set(want.text.split())) > 3 and want.finish == "length" and len(want.tokens) == lengths(i)
+        assert as_alone(got, want), (got.text, want.text)
+        assert got.spec["n_drafted"] > 0 and got.spec["shared_time"] == "whole"
     m = server.metrics()
     assert m["specq:verify_decodes_multi"] > before  # sequences verified together in one llama_decode
     assert sum(v for k, v in m.items() if k.startswith("specq:slot_requests_total{")) >= 16
@@ -59,7 +80,7 @@ def test_eight_concurrent_greedy_clients_each_get_their_answer_alone(server):
 
 def test_a_client_that_leaves_mid_answer_leaves_the_others_exact(server):
     c = client(server.url)
-    want = [stream_text(c, p, 60)[0] for p in PROMPTS[:3]]
+    want = [stream_text(c, p, 60) for p in PROMPTS[:3]]
 
     def leave() -> int:
         got = 0
@@ -72,25 +93,28 @@ def test_a_client_that_leaves_mid_answer_leaves_the_others_exact(server):
 
     with ThreadPoolExecutor(4) as pool:
         gone = pool.submit(leave)
-        others = list(pool.map(lambda i: stream_text(client(server.url), PROMPTS[i], 60)[0], range(3)))
+        others = list(pool.map(lambda i: stream_text(client(server.url), PROMPTS[i], 60), range(3)))
     assert gone.result() == 5
-    assert others == want
+    assert all(map(as_alone, others, want))
     assert server.metrics()["specq:requests_cancelled_total"] >= 1
 
 
 def test_a_stop_string_rolls_back_only_its_own_sequence(server):
     c = client(server.url)
-    full = [stream_text(c, p, 50)[0] for p in PROMPTS[:4]]
-    words = full[0].split()
+    full = [stream_text(c, p, 50) for p in PROMPTS[:4]]
+    words = full[0].text.split()
     stop = words[len(words) // 2]
-    want0 = full[0][:full[0].index(stop)]
+    want0 = full[0].text[:full[0].text.index(stop)]
     with ThreadPoolExecutor(4) as pool:
         stopped = pool.submit(lambda: stream_text(client(server.url), PROMPTS[0], 50, stop=[stop]))
-        others = list(pool.map(lambda i: stream_text(client(server.url), PROMPTS[i], 50)[0], range(1, 4)))
-    text, finish, _ = stopped.result()
-    assert (text, finish) == (want0, "stop")
-    assert others == full[1:]
-    assert [stream_text(c, p, 50)[0] for p in PROMPTS[:4]] == full  # every sequence's cache stayed consistent
+        others = list(pool.map(lambda i: stream_text(client(server.url), PROMPTS[i], 50), range(1, 4)))
+    got = stopped.result()
+    if (got.text, got.finish) != (want0, "stop"):  # a near tie before the stop string may have gone the other way
+        margin = divergence_margin(got.tokens, full[0].tokens[:len(got.tokens)])
+        assert margin is not None and margin < MARGIN_BUG, (got.text, want0)
+    assert all(map(as_alone, others, full[1:]))
+    again = [stream_text(c, p, 50) for p in PROMPTS[:4]]
+    assert all(map(as_alone, again, full))  # every sequence's cache stayed consistent
 
 
 def test_a_sequence_that_fills_its_context_ends_with_length_alone(server):
@@ -99,9 +123,9 @@ def test_a_sequence_that_fills_its_context_ends_with_length_alone(server):
     with ThreadPoolExecutor(2) as pool:
         long_ = pool.submit(lambda: stream_text(client(server.url), PROMPTS[0], 3000))
         other = pool.submit(lambda: stream_text(client(server.url), PROMPTS[1], 40))
-    text, finish, _ = long_.result()
-    assert finish == "length" and len(text) > 100
-    assert other.result()[:2] == short[:2]
+    got = long_.result()
+    assert got.finish == "length" and len(got.text) > 100
+    assert as_alone(other.result(), short)
 
 
 def rss_kib(pid: int) -> int:
@@ -111,7 +135,7 @@ def rss_kib(pid: int) -> int:
 
 def test_faults_round_after_round_leave_the_others_exact_and_memory_flat(server):
     c = client(server.url)
-    want = [stream_text(c, p, 40)[0] for p in PROMPTS[:4]]
+    want = [stream_text(c, p, 40) for p in PROMPTS[:4]]
     bad = [b"{not json", json.dumps({"prompt": "x" * 40000, "max_tokens": 4}).encode(),
            {"prompt": PROMPTS[0], "max_tokens": -1}, {"model": "target"}]
 
@@ -124,10 +148,10 @@ def test_faults_round_after_round_leave_the_others_exact_and_memory_flat(server)
     rss = []
     for _ in range(6):
         with ThreadPoolExecutor(10) as pool:
-            good = [pool.submit(lambda i=i: stream_text(client(server.url), PROMPTS[i], 40)[0]) for i in range(4)]
+            good = [pool.submit(lambda i=i: stream_text(client(server.url), PROMPTS[i], 40)) for i in range(4)]
             cuts = [pool.submit(cut, i) for i in range(2)]
             errors = [pool.submit(http, f"{server.url}/v1/completions", b) for b in bad]
-            assert [f.result() for f in good] == want
+            assert all(as_alone(f.result(), w) for f, w in zip(good, want))
             for f in cuts:
                 f.result()
             assert all(400 <= f.result()[0] < 500 for f in errors), [f.result() for f in errors]
@@ -140,13 +164,13 @@ def test_a_long_prompt_joins_in_chunks_and_every_answer_stays_exact(server):
     long_prompt = " ".join(PROMPTS * 3)
     fresh = {"extra_body": {"cache_prompt": False}}  # no cached prefix: the whole prompt is evaluated
     want_long = stream_text(c, long_prompt, 30, **fresh)
-    want = [stream_text(c, p, 60)[0] for p in PROMPTS[:3]]
+    want = [stream_text(c, p, 60) for p in PROMPTS[:3]]
     chunks0 = server.metrics()["specq:prefill_chunks_total"]
     with ThreadPoolExecutor(4) as pool:
-        others = [pool.submit(lambda i=i: stream_text(client(server.url), PROMPTS[i], 60)[0]) for i in range(3)]
+        others = [pool.submit(lambda i=i: stream_text(client(server.url), PROMPTS[i], 60)) for i in range(3)]
         joined = pool.submit(lambda: stream_text(client(server.url), long_prompt, 30, **fresh))
-        assert [f.result() for f in others] == want
-        assert joined.result()[:2] == want_long[:2]
+        assert all(as_alone(f.result(), w) for f, w in zip(others, want))
+        assert as_alone(joined.result(), want_long)
     assert server.metrics()["specq:prefill_chunks_total"] > chunks0
 
 
@@ -180,14 +204,13 @@ def test_a_hybrid_target_serves_four_sequences_exactly(drafter, tiny_qwen35, tin
     srv = ServerProc(["--target", str(target), *models, "--parallel", "4", *ARGS], tmp_path / "serve.log")
     try:
         c = client(srv.url)
-        plain = [chat(c, p, max_tokens=40, temperature=0, extra_body={"draft_max": 0}).choices[0].message.content
-                 for p in PROMPTS[:4]]
+        plain = [stream_text(c, p, 40, extra_body={"draft_max": 0}) for p in PROMPTS[:4]]
         before = srv.metrics()["specq:verify_decodes_multi"]
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda p: stream_text(client(srv.url), p, 40), PROMPTS[:4]))
-        for (text, _, spec), want in zip(got, plain):
-            assert len(set(want)) > 5
-            assert text == want and spec["n_drafted"] > 0
+        for answer, want in zip(got, plain):
+            assert len(set(want.text)) > 5
+            assert as_alone(answer, want) and answer.spec["n_drafted"] > 0
         assert srv.metrics()["specq:verify_decodes_multi"] > before
     finally:
         srv.stop()
