@@ -51,13 +51,6 @@ class Acceptance:
             self.succ[0] += SEED_WEIGHT * n_agree
             self.n_seeds += 1
 
-    def new_text(self, keep: float) -> None:
-        """A new answer: what earlier answers taught weighs `keep` of what it did (their rate stays the prior's
-        centre; this answer's own steps take over within a few)."""
-        self.succ = [x * keep for x in self.succ]
-        self.trials = [x * keep for x in self.trials]
-        self.tried *= keep
-
     def forget(self) -> None:
         """Drop every count (the drafter drafts from another memory now); the prior stays."""
         self.succ = [0.0] * self.cap
