@@ -12,7 +12,7 @@ import tinymodels
 import specq.native.core.generation as generation_mod
 import specq.native.drafters.window as window_mod
 from specq.errors import UsageError
-from specq.native.control.length import REACH_STEP, AdaptiveDraft
+from specq.native.control.length import NEAR_BEST, REACH_STEP, AdaptiveDraft
 from specq.native.control.step import StepOutcome
 from specq.native.control.window import paired_acceptance, window_pays, window_pays_at
 from specq.native.core.settings import (AGREE_TOKENS, AUTO_DRAFT_CAP, DRAFT_SINK, WINDOW_PROBATION, WINDOW_TRIAL,
@@ -165,10 +165,11 @@ def test_a_noisy_cheap_reading_of_a_big_verify_does_not_make_drafting_look_free(
 
 def test_a_single_token_verify_does_not_set_the_slope_of_batch_verifies():
     # CPU-like costs: one token runs other kernels (18 ms); a batch costs 28 ms plus 2.5 ms a token.
-    # A line through b=1 and b=2 would price a 9-token verify at ~100 ms and keep the draft short.
+    # A line through b=1 and b=2 would price a 9-token verify at ~100 ms and keep the draft at 2; on the batches'
+    # line, every length from 6 to 16 is within 4% of the best (8), and the shortest within NEAR_BEST is taken.
     verify = lambda b: 18.0 if b == 1 else 28.0 + 2.5 * (b - 2)  # noqa: E731
     c, ks, tps = simulate(0.98, draft_ms=7.6, verify_ms=verify, steps=60)
-    assert np.median(ks[5:]) >= 8, ks
+    assert np.median(ks[5:]) >= 5, ks
     assert c.verify_s(12) < 0.060  # a line through the batches only: 28 + 2.5·10 = 53 ms
 
 
@@ -665,8 +666,8 @@ def test_past_the_positions_tried_a_dear_draft_grows_a_few_positions_at_a_time()
     # prompt says the draft agrees. The reach keeps the opening drafts at two tokens; once those are in, every
     # position's estimate is near 1, untried ones included, and the best length on them is the cap: a 16-token
     # draft, 0.45 s, twelve plain tokens lost when it fails at its second token (seen on real text). Past the
-    # deepest position tried a draft may grow by REACH_STEP positions; drafts that keep being accepted still reach
-    # the cap.
+    # deepest position tried a draft may grow by REACH_STEP positions; drafts that keep being accepted grow until
+    # their rate is within NEAR_BEST of the cap's.
     def verify(b):
         return (37.0 + 6.0 * (b - 1)) / 1e3
 
@@ -683,7 +684,8 @@ def test_past_the_positions_tried_a_dear_draft_grows_a_few_positions_at_a_time()
                               first_token_s=0.020 if k else None))
         ks.append(k)
     assert ks[0] > 0 and all(k <= max(ks[:i]) + REACH_STEP for i, k in enumerate(ks) if i), ks
-    assert ks[-1] == 16 and len(set(ks)) >= 6, ks  # it grew in steps (2, 4, 6, ...), to the cap
+    rate = lambda k: (k + 1) / (0.020 * k + verify(k + 1))  # noqa: E731 (every draft accepted)
+    assert rate(ks[-1]) >= (1 - NEAR_BEST) * rate(16) and len(set(ks)) >= 4, ks  # it grew in steps (2, 4, 6, ...)
 
 
 def test_while_evidence_is_thin_a_step_costs_at_most_a_few_plain_ones():
@@ -698,10 +700,11 @@ def test_while_evidence_is_thin_a_step_costs_at_most_a_few_plain_ones():
     assert np.mean([slower for *_, slower in runs]) <= 1.05
 
 
-def test_without_the_reach_the_opening_drafts_to_the_cap(monkeypatch):
+def test_without_the_reach_the_opening_drafts_long(monkeypatch):
     from specq.native.control import length
 
+    within = np.mean([slower for *_, slower in (deep_8k_opening(seed) for seed in range(6))])
     monkeypatch.setattr(length, "THIN_STEP_COST", float("inf"))
     runs = [deep_8k_opening(seed) for seed in range(6)]
-    assert all(max(ks) >= 10 for _, ks, _ in runs)
-    assert np.mean([slower for *_, slower in runs]) > 1.08
+    assert all(max(ks) >= 6 for _, ks, _ in runs)  # 3 within the reach
+    assert np.mean([slower for *_, slower in runs]) > within + 0.015  # 1.048 against 1.025 (1.117 at NEAR_BEST 0)

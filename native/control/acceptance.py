@@ -51,6 +51,13 @@ class Acceptance:
             self.succ[0] += SEED_WEIGHT * n_agree
             self.n_seeds += 1
 
+    def new_text(self, keep: float) -> None:
+        """A new answer: what earlier answers taught of positions ≥ 2 weighs `keep` of what it did (their rate
+        stays the prior's centre). Position 1 and `tried` stay whole: one answer's bad opening must not read as
+        a useless draft."""
+        self.succ[1:] = [x * keep for x in self.succ[1:]]
+        self.trials[1:] = [x * keep for x in self.trials[1:]]
+
     def forget(self) -> None:
         """Drop every count (the drafter drafts from another memory now); the prior stays."""
         self.succ = [0.0] * self.cap

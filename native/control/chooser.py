@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Collection
 
 from .explore import ProbeSchedule, doubled
-from .length import AdaptiveDraft, AdaptiveSnapshot
+from .length import NEAR_BEST, AdaptiveDraft, AdaptiveSnapshot
 from .step import Choice, StepOutcome
 
 
@@ -56,6 +56,11 @@ class AdaptiveDrafters:
         if draft_token_s is not None and self.model in self.per:
             self.per[self.model].calibrate(n_ctx, target_s, draft_token_s, n_tokens)
 
+    def new_answer(self) -> None:
+        """A generation starts (AdaptiveDraft.new_answer), for every drafter."""
+        for c in self.per.values():
+            c.new_answer()
+
     def wants_agreement(self) -> bool:
         """Whether the draft model's prompt agreement would inform the next choice (AdaptiveDraft's)."""
         return self.model in self.per and self.per[self.model].wants_agreement()
@@ -89,7 +94,8 @@ class AdaptiveDrafters:
     def _best(self, name: str, limit: int, per_token: float = 0.0) -> tuple[int, float]:
         """A drafter's best (k, tokens/s) within `limit` and its reach, on the shared verify cost and overhead."""
         c, overhead = self.per[name], self.shared.overhead
-        return c.expected(c.reach(min(limit, self.cap), overhead), overhead, per_token)
+        most = min(limit, self.cap)
+        return c.expected(most, overhead, per_token, NEAR_BEST, c.reach(most, overhead))
 
     def choose(self, limits: dict[str, int]) -> Choice:
         """The drafter and draft length for the next step (Choice(None, 0): plain decoding); limits: the most each

@@ -19,6 +19,8 @@ from typing import Callable, Generic, TypeVar
 
 SHORT_CTX = 384  # contexts below this share one band: attention is a small part of a step there
 CALIBRATION_BATCHES = (5, 2)  # verify sizes timed in a prefill at a new context: two points give V(b)'s line
+VERIFY_DECAY = 0.95  # each verify measured in a band decays the weight of every batch size measured before it
+RESIDUAL_WEIGHT = 4.0  # a batch size measured this much (decayed) is priced halfway between the line and its mean
 
 B = TypeVar("B")
 
@@ -62,32 +64,46 @@ class Banded(Generic[B]):
 
 @dataclass
 class VerifyBand:
-    """The target's measured costs in one context band (running means, seconds)."""
+    """The target's measured costs in one context band (running means, seconds). A verify of b > 1 tokens is priced
+    on a line through the measured sizes, weighted by how much and how recently each was measured (`weight`), and
+    moved towards b's own mean only as far as b's weight carries it: by per-size means alone, one noisy reading of
+    a size not chosen again stays, and the sizes that happened to read low keep being chosen."""
 
     v_mean: dict[int, float] = field(default_factory=dict)  # verify batch size → running mean
+    weight: dict[int, float] = field(default_factory=dict)  # batch size → decayed count of its measurements
     line: tuple[float, float] | None = None  # (intercept, slope) of V(b) over the measured batches
     ctx_one: float = 0.0  # the mean context of the single-token verifies measured
 
+    def count(self, b: int) -> None:
+        """One more measurement of size b: every size's weight decays, b's grows by one."""
+        for size in self.weight:
+            self.weight[size] *= VERIFY_DECAY
+        self.weight[b] = self.weight.get(b, 0.0) + 1.0
+
     def refit(self) -> None:
-        """The least-squares line through the measured batches (b = 1 apart: other kernels), slope ≥ 0."""
-        pts = [(b, v) for b, v in self.v_mean.items() if b > 1]
+        """The weighted least-squares line through the measured batches (b = 1 apart: other kernels), slope ≥ 0."""
+        pts = [(b, v, self.weight.get(b, 1.0)) for b, v in self.v_mean.items() if b > 1]
         if len(pts) < 2:
             self.line = None
             return
-        mx, my = sum(b for b, _ in pts) / len(pts), sum(v for _, v in pts) / len(pts)
-        sxx = sum((b - mx) ** 2 for b, _ in pts)
-        slope = max(sum((b - mx) * (v - my) for b, v in pts) / sxx, 0.0)
+        w = sum(x for _, _, x in pts)
+        mx, my = sum(b * x for b, _, x in pts) / w, sum(v * x for _, v, x in pts) / w
+        sxx = sum(x * (b - mx) ** 2 for b, _, x in pts)
+        slope = max(sum(x * (b - mx) * (v - my) for b, v, x in pts) / sxx, 0.0)
         self.line = (my - slope * mx, slope)
 
     def batch_s(self, b: int) -> float:
-        """A verify of b > 1 tokens in this band: measured, else on the line (else the cheapest batch seen)."""
+        """A verify of b > 1 tokens in this band: on the line, moved towards b's own mean by its weight (else the
+        cheapest batch seen, while fewer than two sizes were measured)."""
         v = self.v_mean.get(b)
-        if v is not None:
-            return v
         if self.line is None:
-            return min(x for bb, x in self.v_mean.items() if bb > 1)
+            return v if v is not None else min(x for bb, x in self.v_mean.items() if bb > 1)
         a, s = self.line
-        return max(a + s * b, 1e-9)
+        on_line = max(a + s * b, 1e-9)
+        if v is None:
+            return on_line
+        w = self.weight.get(b, 1.0)
+        return on_line + w / (w + RESIDUAL_WEIGHT) * (v - on_line)
 
 
 class TargetCosts(Banded[VerifyBand]):
@@ -117,6 +133,7 @@ class TargetCosts(Banded[VerifyBand]):
         if n_tokens > 1:
             if n_tokens not in c.v_mean:
                 c.v_mean[n_tokens] = target_s
+                c.count(n_tokens)
                 c.refit()
         elif 1 not in c.v_mean:
             c.v_mean[1], c.ctx_one = target_s, n_ctx
@@ -128,6 +145,7 @@ class TargetCosts(Banded[VerifyBand]):
             c.ctx_one = running_mean(c.ctx_one if 1 in c.v_mean else None, float(self.n_ctx), self.ema)
         c.v_mean[b] = running_mean(c.v_mean.get(b), verify_s, self.ema)
         if b > 1:
+            c.count(b)
             c.refit()
 
     def verify_one_s(self) -> float:

@@ -46,18 +46,27 @@ def ideal_speedup(alpha: float, k: int, c: float) -> float:
 
 
 def best_draft_length(alphas, t_draft: float, verify_s: Callable[[int], float], overhead: float = 0.0,
-                      t_first: float | None = None, per_token: float = 0.0) -> tuple[int, float]:
-    """(k, tokens/s) maximising E(k)/T(k) over k = 0..len(alphas); alphas are conditional per position.
+                      t_first: float | None = None, per_token: float = 0.0, within: float = 0.0,
+                      reach: int | None = None) -> tuple[int, float]:
+    """(k, tokens/s) maximising E(k)/T(k) over k = 0..reach (default len(alphas)); alphas are conditional per
+    position.
 
     A step drafting k tokens costs t_first + (k-1)·t_draft of drafting (t_first defaults to t_draft), the verify of
     k+1 tokens, the overhead, and per_token for each token it emits (what another drafter will pay to catch up on
-    them)."""
+    them). `within`: the shortest k ≤ reach whose rate is within this fraction of the best over all of alphas (else
+    the best k ≤ reach, so that a reach grows towards it); plain decoding only where it beats every k ≤ reach."""
     first = t_draft if t_first is None else t_first
-    best_k, best = 0, 1.0 / (verify_s(1) + overhead + per_token)
+    plain = 1.0 / (verify_s(1) + overhead + per_token)
+    rates = []
     for k, (prod, tokens) in enumerate(expected_tokens_each(alphas), start=1):
         if prod < NEGLIGIBLE_REACH:
             break
-        rate = tokens / (first + (k - 1) * t_draft + verify_s(k + 1) + overhead + per_token * tokens)
-        if rate > best:
-            best_k, best = k, rate
-    return best_k, best
+        rates.append(tokens / (first + (k - 1) * t_draft + verify_s(k + 1) + overhead + per_token * tokens))
+    near = rates[:len(rates) if reach is None else reach]
+    if max(near, default=0.0) <= plain:
+        return 0, plain
+    enough = (1.0 - within) * max(rates)
+    k = next((k for k, rate in enumerate(near, start=1) if rate >= enough), None)
+    if k is None:
+        k = max(range(1, len(near) + 1), key=lambda k: (near[k - 1], -k))
+    return k, rates[k - 1]

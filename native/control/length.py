@@ -12,6 +12,11 @@ from .step import StepOutcome
 
 THIN_STEP_COST = 3.0  # while evidence is thin, a step may cost at most this many plain steps (AdaptiveDraft.reach)
 REACH_STEP = 2  # past the deepest position tried, a dear draft grows this many positions a step (AdaptiveDraft.reach)
+# A step drafts the shortest length whose rate is within this fraction of the best: where the rate is flat, longer
+# drafts rest on the least sure estimates (deep positions' acceptance, carried over from easier text).
+NEAR_BEST = 0.03
+# A new answer is new text: earlier answers' acceptance counts are kept at this weight (AdaptiveDraft.new_answer).
+NEW_ANSWER_KEEP = 0.25
 
 
 @dataclass(frozen=True)
@@ -187,22 +192,32 @@ class AdaptiveDraft:
         target). Evidence stays thin until drafts are tried (thin_evidence)."""
         self.acceptance.seed(n_agree, n)
 
+    def new_answer(self) -> None:
+        """A generation starts: acceptance learnt on earlier answers at positions ≥ 2 counts for NEW_ANSWER_KEEP
+        of itself. Carried over whole, one answer's near-perfect acceptance sends the next one's first drafts long,
+        to fail early; weakened, the reach bounds the opening. Position 1 stays whole (Acceptance.new_text)."""
+        self.acceptance.new_text(NEW_ANSWER_KEEP)
+
     def thin_evidence(self) -> bool:
         """Whether too few drafts were tried yet for plain decoding to be a verdict (see min_evidence)."""
         return self.acceptance.tried < self.min_evidence
 
     # -- decisions ------------------------------------------------------------------------------
-    def expected(self, limit: int, overhead: float | None = None, per_token: float = 0.0) -> tuple[int, float]:
-        """(best k ≤ limit, its expected tokens per second); `overhead` defaults to this controller's, `per_token`
-        is charged per emitted token (best_draft_length)."""
+    def expected(self, limit: int, overhead: float | None = None, per_token: float = 0.0, within: float = 0.0,
+                 reach: int | None = None) -> tuple[int, float]:
+        """(best k ≤ reach ≤ limit, its expected tokens per second); `overhead` defaults to this controller's,
+        `per_token` is charged per emitted token, `within`: the shortest k that close to the best k ≤ limit
+        (best_draft_length)."""
         return best_draft_length(self.alphas()[:limit], self.draft_s(), self.verify_s,
-                                 self.overhead if overhead is None else overhead, self.first_s(), per_token)
+                                 self.overhead if overhead is None else overhead, self.first_s(), per_token, within,
+                                 reach)
 
     def choose(self, limit: int) -> int:
         """Draft length for the next step, at most `limit` (context / n_predict room)."""
         if limit <= 0:
             return 0
-        k, _ = self.expected(self.reach(min(limit, self.cap), self.overhead))
+        most = min(limit, self.cap)
+        k, _ = self.expected(most, within=NEAR_BEST, reach=self.reach(most, self.overhead))
         sched = self.schedule
         if k > 0:
             sched.drafting()

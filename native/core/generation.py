@@ -234,6 +234,8 @@ class Generation:
         ctrl = ses.controller(s) if self.speculative and (s.adaptive or auto_drafter) else None
         ses.attach(s, self.speculative)
         self.controller = ctrl
+        if ctrl is not None:
+            ctrl.new_answer()
         self._reader = ses.reader if ses.reader is not None and ses.reader.name in ses.available_drafters(s) else None
         tp0 = self._clock()
         p.trials0, p.reverts0 = window_counts(self.session)[1:]
