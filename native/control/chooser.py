@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Collection
 
 from .explore import ProbeSchedule, doubled
-from .length import NEAR_BEST, AdaptiveDraft, AdaptiveSnapshot
+from .length import AdaptiveDraft, AdaptiveSnapshot
 from .step import Choice, StepOutcome
 
 
@@ -93,9 +93,7 @@ class AdaptiveDrafters:
 
     def _best(self, name: str, limit: int, per_token: float = 0.0) -> tuple[int, float]:
         """A drafter's best (k, tokens/s) within `limit` and its reach, on the shared verify cost and overhead."""
-        c, overhead = self.per[name], self.shared.overhead
-        most = min(limit, self.cap)
-        return c.expected(most, overhead, per_token, NEAR_BEST, c.reach(most, overhead))
+        return self.per[name].near_best(min(limit, self.cap), self.shared.overhead, per_token)
 
     def choose(self, limits: dict[str, int]) -> Choice:
         """The drafter and draft length for the next step (Choice(None, 0): plain decoding); limits: the most each

@@ -212,12 +212,17 @@ class AdaptiveDraft:
                                  self.overhead if overhead is None else overhead, self.first_s(), per_token, within,
                                  reach)
 
+    def near_best(self, limit: int, overhead: float | None = None, per_token: float = 0.0) -> tuple[int, float]:
+        """expected() over min(limit, cap): the shortest length within NEAR_BEST of the best, grown no further than
+        the reach."""
+        most, overhead = min(limit, self.cap), self.overhead if overhead is None else overhead
+        return self.expected(most, overhead, per_token, NEAR_BEST, self.reach(most, overhead))
+
     def choose(self, limit: int) -> int:
         """Draft length for the next step, at most `limit` (context / n_predict room)."""
         if limit <= 0:
             return 0
-        most = min(limit, self.cap)
-        k, _ = self.expected(most, within=NEAR_BEST, reach=self.reach(most, self.overhead))
+        k, _ = self.near_best(limit)
         sched = self.schedule
         if k > 0:
             sched.drafting()
