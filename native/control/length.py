@@ -213,8 +213,7 @@ class AdaptiveDraft:
                                  reach)
 
     def near_best(self, limit: int, overhead: float | None = None, per_token: float = 0.0) -> tuple[int, float]:
-        """expected() over min(limit, cap): the shortest length within NEAR_BEST of the best, grown no further than
-        the reach."""
+        """expected() within min(limit, cap): the shortest length within NEAR_BEST of the best, up to the reach."""
         most, overhead = min(limit, self.cap), self.overhead if overhead is None else overhead
         return self.expected(most, overhead, per_token, NEAR_BEST, self.reach(most, overhead))
 
