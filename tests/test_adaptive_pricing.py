@@ -42,13 +42,16 @@ def test_one_noisy_reading_of_a_batch_size_does_not_stay_its_price():
 
 
 def test_the_shortest_length_near_the_best_and_a_reach_that_still_grows():
-    # Every draft accepted: the rate grows with k to the cap (16), but 7 is within 3% of it.
+    # Every draft accepted: the rate grows with k to the cap (16), and 15 is within 3% of it. So are lengths
+    # shorter still; where the rate is that flat a step gives up one position at most (the deep pair at T 0.7,
+    # within 3%, drafted 2 where 4 ran 9% faster).
     ones = [1.0] * 16
     k, _ = best_draft_length(ones, DRAFT_S, verify, within=0.0)
     assert k == 16
     rate = lambda k: (k + 1) / (DRAFT_S * k + verify(k + 1))  # noqa: E731
+    assert min(k for k in range(1, 17) if rate(k) >= 0.97 * rate(16)) < 14
     k, r = best_draft_length(ones, DRAFT_S, verify, within=0.03)
-    assert r == pytest.approx(rate(k)) and rate(k) >= 0.97 * rate(16) > rate(k - 1)
+    assert k == 15 and r == pytest.approx(rate(15))
     # Within a reach too short to hold a length near the best, the best within it: the reach grows from there.
     assert best_draft_length(ones, DRAFT_S, verify, within=0.03, reach=4)[0] == 4
     # Plain decoding only where no length within the reach beats it.
@@ -89,9 +92,10 @@ def best_fixed(run) -> float:
 
 def test_on_text_with_easy_and_hard_stretches_auto_beats_every_fixed_length(monkeypatch):
     # Per-size verify means and the single best length on the estimates: 0.996x the best fixed length here; the
-    # weighted line alone 0.999x; with the shortest length within NEAR_BEST of the best, 1.03x.
+    # weighted line alone 0.999x; the shortest length within NEAR_BEST of the best, one shorter at most, 1.016x (any
+    # shorter: 1.034x here, but on the deep pair at T 0.7 it drafted 2 where 4 ran 10% faster).
     auto = mean_rate(simulate)
-    assert auto >= 1.015 * best_fixed(simulate)
+    assert auto >= 1.01 * best_fixed(simulate)
     monkeypatch.setattr(length, "NEAR_BEST", 0.0)
     assert mean_rate(simulate) < auto  # the mechanism did the work
 

@@ -53,8 +53,9 @@ def best_draft_length(alphas, t_draft: float, verify_s: Callable[[int], float], 
 
     A step drafting k tokens costs t_first + (k-1)·t_draft of drafting (t_first defaults to t_draft), the verify of
     k+1 tokens, the overhead, and per_token for each token it emits (what another drafter will pay to catch up on
-    them). `within`: the shortest k ≤ reach whose rate is within this fraction of the best over all of alphas (else
-    the best k ≤ reach, so that a reach grows towards it); plain decoding only where it beats every k ≤ reach."""
+    them). `within`: the shortest k ≤ reach whose rate is within this fraction of the best over all of alphas, one
+    shorter than the best at most (else the best k ≤ reach, so that a reach grows towards it); plain decoding only
+    where it beats every k ≤ reach."""
     first = t_draft if t_first is None else t_first
     plain = 1.0 / (verify_s(1) + overhead + per_token)
     rates = []
@@ -66,7 +67,8 @@ def best_draft_length(alphas, t_draft: float, verify_s: Callable[[int], float], 
     if max(near, default=0.0) <= plain:
         return 0, plain
     enough = (1.0 - within) * max(rates)
-    k = next((k for k, rate in enumerate(near, start=1) if rate >= enough), None)
+    floor = max(range(1, len(rates) + 1), key=lambda k: rates[k - 1]) - 1  # a flat curve: 2 within 3% of 4
+    k = next((k for k, rate in enumerate(near, start=1) if rate >= enough and k >= floor), None)
     if k is None:
         k = max(range(1, len(near) + 1), key=lambda k: (near[k - 1], -k))
     return k, rates[k - 1]

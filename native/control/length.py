@@ -12,8 +12,8 @@ from .step import StepOutcome
 
 THIN_STEP_COST = 3.0  # while evidence is thin, a step may cost at most this many plain steps (AdaptiveDraft.reach)
 REACH_STEP = 2  # past the deepest position tried, a dear draft grows this many positions a step (AdaptiveDraft.reach)
-# A step drafts the shortest length whose rate is within this fraction of the best: where the rate is flat, longer
-# drafts rest on the least sure estimates (deep positions' acceptance, carried over from easier text).
+# A step drafts the shortest length whose rate is within this fraction of the best, one shorter at most: where the
+# rate is flat, longer drafts rest on the least sure estimates (any shorter: the deep pair drafted 2 where 4 won).
 NEAR_BEST = 0.03
 # A new answer is new text: earlier answers' acceptance counts are kept at this weight (AdaptiveDraft.new_answer).
 NEW_ANSWER_KEEP = 0.25
