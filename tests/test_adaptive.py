@@ -290,7 +290,7 @@ def test_at_long_context_the_first_step_is_plain_when_the_measured_costs_make_dr
         drafted, plain = first_step(ses, long_prompt(e, 1500), auto)
         assert (drafted, plain) == (0, 1)
         ctrl = ses.controller(auto)
-        assert ctrl.n_calibrations == 2 and len(ctrl.bands) == 2  # one at each context
+        assert ctrl.n_calibrations == 2 and len(ctrl.target.bands) == 2  # one at each context
 
 
 def test_a_window_pays_where_it_is_cheaper_and_agrees_about_as_well():
@@ -526,7 +526,7 @@ def test_probes_on_thin_evidence_are_spaced_out_when_they_cost():
         c.observe(StepOutcome(k, 0, 0.008 if k > 1 else None, (20.0 if k == 0 else 26.0 + k) / 1e3, 0.0,
                               draft_s=0.008 * k if k else None, first_token_s=0.008 if k else None))
     assert 0 < c.n_probes <= 4 and c.n_plain_steps >= 50
-    assert c.thin_gap > 1  # the mechanism ran: the last probe set a gap
+    assert c.schedule.thin_gap > 1  # the mechanism ran: the last probe set a gap
 
 
 def test_prompt_agreement_lets_a_pair_that_agrees_draft_from_the_first_step(deep_target, tiny_target, tiny_unrelated,

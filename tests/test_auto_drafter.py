@@ -247,7 +247,7 @@ def test_auto_spaces_its_probes_on_thin_evidence_when_they_cost():
         c.observe(StepOutcome(k, 0, 0.008 if k > 1 else None, (20.0 if k == 0 else 26.0 + k) / 1e3, 0.0,
                               0.008 * k if k else None, 0.008 if k else None, drafter=name))
     assert 0 < c.n_probes <= 4 and c.n_plain_steps >= 50
-    assert c.per["model"].thin_gap > 1  # the mechanism ran: the last probe set a gap
+    assert c.per["model"].schedule.thin_gap > 1  # the mechanism ran: the last probe set a gap
 
 
 def test_every_drafters_controller_prices_the_verify_on_one_shared_model():

@@ -8,6 +8,9 @@ from typing import Sequence
 # make 8): a few steps' own outcomes (they decay the seed like any other count) outweigh it. They are not drafts
 # tried (`tried`): a first reading of the draft's cost may be noisy, and only drafting steps correct it.
 SEED_WEIGHT = 0.25
+# The pair's long-run rate (all positions pooled) forgets this much a drafting step: a memory of ~100 steps, a few
+# answers, that plain decoding does not age (Acceptance.age). The counts' estimates shrink towards it.
+LONG_DECAY = 0.99
 
 
 class Acceptance:
@@ -28,13 +31,20 @@ class Acceptance:
         self.succ = [0.0] * cap
         self.trials = [0.0] * cap
         self.tried = 0.0  # drafting steps (decayed as the counts are): what AdaptiveDraft.thin_evidence reads
+        self.long = (0.0, 0.0)  # (successes, trials) of every position, decayed by LONG_DECAY a drafting step
         self.n_seeds = 0
+        self.n_aged = 0  # plain steps that aged the counts (age)
+
+    def centre(self) -> float:
+        """The pair's long-run rate, shrunk towards the prior: where the counts' estimates go as they age."""
+        s, t = self.long
+        return (s + 2.0 * self.alpha_prior) / (t + 2.0)
 
     def alphas(self) -> list[float]:
         # Position 1 shrinks to the pooled rate; each later one to its predecessor's estimate (the
         # conditional rate after j accepted tokens rarely falls with j), so positions never tried inherit it,
         # but never to less than the pooled rate: one early rejection far out must not keep drafts short.
-        pooled = (sum(self.succ) + 2.0 * self.alpha_prior) / (sum(self.trials) + 2.0)
+        pooled = (sum(self.succ) + 2.0 * self.centre()) / (sum(self.trials) + 2.0)
         prev, out = pooled, []
         for s, t in zip(self.succ, self.trials):
             prev = (s + self.w * max(prev, pooled)) / (t + self.w)
@@ -58,11 +68,21 @@ class Acceptance:
         self.succ[1:] = [x * keep for x in self.succ[1:]]
         self.trials[1:] = [x * keep for x in self.trials[1:]]
 
+    def age(self) -> None:
+        """A step decoded without drafting: the text moved on, so what was counted weighs `decay` less and the
+        estimates move towards the long-run rate (`tried` stays: the drafts tried are still that many). Else a hard
+        stretch read before plain decoding took over would stand for all that follows, and a probe's outcome
+        could hardly move it."""
+        self.succ = [x * self.decay for x in self.succ]
+        self.trials = [x * self.decay for x in self.trials]
+        self.n_aged += 1
+
     def forget(self) -> None:
         """Drop every count (the drafter drafts from another memory now); the prior stays."""
         self.succ = [0.0] * self.cap
         self.trials = [0.0] * self.cap
         self.tried = 0.0
+        self.long = (0.0, 0.0)
 
     def _decayed(self) -> None:
         d = self.decay
@@ -70,14 +90,20 @@ class Acceptance:
         self.trials = [x * d for x in self.trials]
         self.tried = self.tried * d + 1.0
 
+    def _long(self, succ: float, trials: float) -> None:
+        s, t = self.long
+        self.long = (s * LONG_DECAY + succ, t * LONG_DECAY + trials)
+
     def count(self, n_drafted: int, n_accepted: int) -> None:
         """A step's 0/1 outcomes: positions 1..n_accepted accepted, the next one (if drafted) rejected."""
         self._decayed()
         for i in range(min(n_accepted, self.cap)):
             self.succ[i] += 1.0
             self.trials[i] += 1.0
-        if n_accepted < min(n_drafted, self.cap):
+        rejected = n_accepted < min(n_drafted, self.cap)
+        if rejected:
             self.trials[n_accepted] += 1.0
+        self._long(min(n_accepted, self.cap), min(n_accepted, self.cap) + rejected)
 
     def count_expected(self, acceptance: Sequence[tuple[float, float]]) -> None:
         """A step's (reach, expected acceptance) per drafted position (core/accept.expected_acceptance)."""
@@ -85,6 +111,8 @@ class Acceptance:
         for i, (reach, a) in enumerate(acceptance[:self.cap]):
             self.trials[i] += reach
             self.succ[i] += reach * a
+        rows = acceptance[:self.cap]
+        self._long(sum(r * a for r, a in rows), sum(r for r, _ in rows))
 
     def deepest_tried(self) -> int:
         """The deepest position observed at least half a time (decayed), 0 if none."""

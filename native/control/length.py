@@ -117,10 +117,6 @@ class AdaptiveDraft:
 
     # Views of the current band (tune, tests).
     @property
-    def bands(self) -> dict:
-        return self.target.bands
-
-    @property
     def t_draft(self) -> float | None:
         return self.draft.band.t_draft
 
@@ -289,10 +285,6 @@ class AdaptiveDraft:
         """This drafter drafts on its merits (the drafter chooser's pick): its probe spacing starts over."""
         self.schedule.drafting()
 
-    @property
-    def thin_gap(self) -> int:
-        return self.schedule.thin_gap
-
     # -- measurements ---------------------------------------------------------------------------
     def observe(self, step: StepOutcome) -> None:
         """Record one step (StepOutcome; its drafter is not read here). A long catch-up's first token's own cost is
@@ -326,6 +318,8 @@ class AdaptiveDraft:
             self.acceptance.count_expected(step.acceptance)
         elif step.n_drafted:
             self.acceptance.count(step.n_drafted, step.n_accepted)
+        else:
+            self.acceptance.age()
 
     def snapshot(self, limit: int | None = None) -> AdaptiveSnapshot:
         k, _ = self.expected(self.cap if limit is None else limit)
