@@ -19,7 +19,7 @@ class Acceptance:
     (succ): 1 and 0/1 under greedy verification; under rejection sampling the probability that the step reaches the
     position given its drafts and that times Σ min(p, q), the expected acceptance there (StepOutcome.acceptance):
     the same law without the noise of one draw, so that a few unlucky rejections at temperature > 0 do not read as a
-    bad draft. Estimates shrink towards a prior (`alphas`)."""
+    bad draft. Estimates shrink towards the pair's long-run rate (`alphas`, `centre`)."""
 
     def __init__(self, cap: int, decay: float, prior_weight: float, alpha_prior: float):
         self.cap = cap
