@@ -58,7 +58,8 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(a.model, a.threads, a.rounds)))
         return
-    doc = {"command": " ".join(sys.argv), "model": os.path.basename(a.model), "threads": a.threads,
+    command = " ".join(["python", "benchmarks/graph_reuse.py", *sys.argv[1:]])
+    doc = {"command": command.replace(os.path.expanduser("~"), "~"), "model": os.path.basename(a.model), "threads": a.threads,
            "unit": "ms per decode, median per round", "results": {}}
     for label, disable in (("reuse on", "0"), ("LLAMA_GRAPH_REUSE_DISABLE=1", "1")):
         env = {**os.environ, "LLAMA_GRAPH_REUSE_DISABLE": disable}
