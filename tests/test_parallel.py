@@ -9,7 +9,9 @@ import pytest
 
 from specq.errors import UsageError
 from specq.native.core.batch import Batch
+from specq.native.core.config import kv_streams
 from specq.native.core.engine import Engine
+from specq.native.core.memory import common_prefix
 from specq.native.core.settings import GenerationSettings
 from specq.native.llama import ffi as _ffi
 from stats import chi2_pvalue
@@ -110,6 +112,45 @@ def test_a_hybrid_target_with_four_sequences_is_exact(tiny_qwen35, tiny_qwen35_c
             assert_consistent(g.session)
         assert sum(g.stats.n_rollbacks + g.stats.n_restores for g in gens) > 0  # rejected tails rolled back
         assert e.tgt_ctx.max_seqs_per_decode == 4
+        assert e.tgt_ctx.unified  # a padding row would change an idle sequence's recurrent state (kv_streams)
+
+
+def test_an_idle_sequence_between_busy_ones_gets_a_padding_row_and_keeps_its_memory(tiny_target, tiny_close):
+    """On the CPU a plain target keeps a stream per sequence (config.kv_streams), and llama.cpp puts into one
+    ubatch only sequences whose ids follow each other: sequences 0 and 2 stepping while 1 is idle decode a padding
+    row for 1, removed after the decode. Outputs exact; sequence 1 holds what it held, and its next answer, which
+    reuses its cached prefix, is exact too."""
+    lengths = [30, 12, 26]
+    want = alone(tiny_target, PROMPTS[:3], lengths, flash_attn="on")
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1, parallel=3) as e:
+        assert not e.tgt_ctx.unified and e.dft_ctx.unified
+        assert not (kv_streams(3, False, True) or kv_streams(3, True, False) or kv_streams(1, True, True))
+        idle = e.session(1)
+        g = idle.generate(e.tokenize(PROMPTS[1]), GenerationSettings(n_predict=lengths[1]), speculative=False).run()
+        assert g.tokens == want[1]
+        held = (list(idle.tgt.tokens), idle.tgt.ctx.pos_max())
+        for speculative in (False, True):
+            batch = Batch()
+            gens = [e.session(i).generate(e.tokenize(PROMPTS[i]), GenerationSettings(n_predict=lengths[i],
+                                                                                     draft_max=4), speculative)
+                    for i in (0, 2)]
+            for x in gens:
+                batch.add(x)
+            pads0 = e.tgt_ctx.n_padding_rows
+            batch.run()
+            assert [x.tokens for x in gens] == [want[0], want[2]]
+            assert e.tgt_ctx.n_padding_rows > pads0  # the mechanism ran
+            assert (list(idle.tgt.tokens), idle.tgt.ctx.pos_max()) == held
+            assert_consistent(idle)
+            for x in gens:
+                assert_consistent(x.session)
+                del x.session.history[:]
+        assert gens[0].stats.n_drafted > 0
+        del idle.history[:]  # a new prompt sharing the old one's start: the cached prefix is reused
+        prompt = e.tokenize(PROMPTS[1] + " jumps")
+        assert common_prefix(idle.tgt.tokens, prompt) > 2
+        g = idle.generate(prompt, GenerationSettings(n_predict=10), speculative=False).run()
+        assert g.tokens == alone(tiny_target, [PROMPTS[1] + " jumps"], [10], flash_attn="on")[0]
 
 
 def test_a_hybrid_sequence_rolls_back_only_within_its_own_last_decode(tiny_qwen35):

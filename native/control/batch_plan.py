@@ -218,10 +218,11 @@ class BatchPlanner:
 
     # -- measurements ------------------------------------------------------------------------------------------
     def observe(self, wishes: Sequence[Wish], drafted: Sequence[int], emitted: Sequence[int], draft_s: float,
-                verify_s: float, overhead_s: float, loop_s: float = 0.0) -> None:
+                verify_s: float, overhead_s: float, loop_s: float = 0.0, padding: int = 0) -> None:
         """A batched step: each sequence's drafted and emitted tokens, the draft decodes' time in all (`loop_s` of it
-        after the first drafted token), the verify's and the rest of the step's."""
-        self.verify.observe(sum(k + 1 for k in drafted), verify_s)
+        after the first drafted token), the verify's (`padding`: rows it carried for idle sequences,
+        ffi.padding_rows) and the rest of the step's."""
+        self.verify.observe(sum(k + 1 for k in drafted) + padding, verify_s)
         drafting = [(w, k) for w, k in zip(wishes, drafted) if w.decodes and k > 0]
         if drafting:
             self.draft.observe(sum(w.behind for w, _ in drafting), max(draft_s - loop_s, 1e-9))

@@ -179,6 +179,8 @@ class Batch:
                 plans = self._alone(going[0], plans)
             if wishes and self.plan_lengths:
                 plans = self._cap(going, wishes, plans)
+            tgt = going[0].session.engine.tgt_ctx
+            pads0 = tgt.n_padding_rows
             results = step_all([Ask(g.session, g.settings, g.sampling, *plan) for g, plan in zip(going, plans)])
             self.n_steps += 1
             self.most_in_a_step = max(self.most_in_a_step, len(going))
@@ -187,7 +189,8 @@ class Batch:
                 r = results[0]
                 loop_s = max(((x.draft_token_s or 0.0) * (x.n_drafted - 1) for x in results), default=0.0)
                 self.planner.observe(wishes, [x.n_drafted for x in results], [len(x.emitted) for x in results],
-                                     r.draft_s, r.verify_s, clock() - t0 - r.draft_s - r.verify_s, loop_s)
+                                     r.draft_s, r.verify_s, clock() - t0 - r.draft_s - r.verify_s, loop_s,
+                                     padding=tgt.n_padding_rows - pads0)
             for g in going:  # a first token is out (or, here, ready): a prepared draft reads the prompt now
                 g.after_delivery(read=g.prepared or self.planner.drafting
                                  or len(going) == 1 and not self.planner.settled_plain)

@@ -36,14 +36,28 @@ def choose_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None, para
         raise UsageError(f"--flash-attn must be auto, on or off ({flag})")
     if flag != "auto":
         return flag
-    if devices is not None and not devices:  # no device at all: the CPU (the draft beside --rpc devices)
-        on_cpu = True
-    else:
-        on_cpu = (ngl == 0 or not _ffi.supports_gpu_offload()) if not devices else \
-            all(d.upper().startswith("CPU") for d in devices)
-    if not on_cpu:
+    if not on_cpu(ngl, devices):
         return "auto"
     return "on" if parallel >= FA_PARALLEL_MIN else "off"
+
+
+def on_cpu(ngl: int, devices: tuple[str, ...] | None) -> bool:
+    """Whether a model with these placement flags runs on the CPU alone."""
+    if devices is not None and not devices:  # no device at all: the CPU (the draft beside --rpc devices)
+        return True
+    return (ngl == 0 or not _ffi.supports_gpu_offload()) if not devices else \
+        all(d.upper().startswith("CPU") for d in devices)
+
+
+def kv_streams(parallel: int, cpu: bool, plain_cache: bool) -> bool:
+    """The target's cache layout for --parallel: a stream per sequence (llama-server's -np default) or one
+    unified cache. In one cache every row's attention walks every sequence's cells; on the CPU, where the
+    batch's planner keeps several sequences plain nearly always, separate streams made a plain step of the
+    deep pair 14% cheaper and served plain loads 0.89x -> 0.99x llama-server's (docs/benchmarks.md, "A stream
+    per sequence"). A verify mixing row counts is split there into equal-length passes, so a GPU, where
+    drafting pays, keeps one cache; so do recurrent, sliding-window and MTP targets (`plain_cache` False),
+    whose memory a padding row (ffi.padding_rows) would change."""
+    return parallel > 1 and cpu and plain_cache
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Callable
 
 from ...errors import UsageError
 from ..drafters.mtp import no_head_error
-from .config import choose_flash_attn
+from .config import choose_flash_attn, kv_streams, on_cpu
 from ..llama import ffi as _ffi
 from .compat import VocabInfo, check_compatible
 from .session import Session
@@ -106,12 +106,15 @@ class Engine:
                 self.draft = _ffi.Model(draft, n_gpu_layers=ngl_draft, main_gpu=main_gpu,
                                         tensor_split=draft_tensor_split, devices=draft_devices, cpu_amx=cpu_amx)
                 check_compatible(VocabInfo.of(self.target), VocabInfo.of(self.draft))
+            t = self.target
+            plain_cache = not (t.is_recurrent_or_hybrid or t.n_swa or mtp is not False and t.n_layer_nextn > 0)
             # A verify batch [last, d1..dn] must be one decode with logits at every row: never split it.
             rows = parallel * (DRAFT_MAX_CAP + 1)  # every sequence's verify in one decode
             self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=max(n_batch, rows),
                                         n_outputs_max=rows, name="target",
                                         n_rs_seq=rollback_tokens if self.target.is_recurrent_or_hybrid else 0,
-                                        flash_attn=flash_attn, n_seq=parallel)
+                                        flash_attn=flash_attn, n_seq=parallel,
+                                        unified=not kv_streams(parallel, on_cpu(ngl, devices), plain_cache))
             self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,  # None or 0: all of it
                                          n_batch=max(draft_n_batch or n_batch, parallel),
                                          n_outputs_max=max(AGREE_TOKENS, parallel), name="draft",

@@ -90,7 +90,8 @@ class Memory:
 
     def copy_prefix(self, src: Memory, n: int) -> int:
         """Hold the first n tokens that `src` (another sequence of the same context) holds, copied in the memory
-        (llama_memory_seq_cp: in llama.cpp's unified cache the cells are shared, nothing is computed or copied).
+        (llama_memory_seq_cp: in llama.cpp's unified cache the cells are shared, nothing is computed or copied;
+        with a stream per sequence the stream's data is copied).
         Only for memories that drop positions freely and hold the history from its start (no draft window, no
         sliding window); returns the tokens now held (0: nothing copied)."""
         n = min(n, len(src.tokens), src.ctx.pos_max() + 1)
@@ -98,7 +99,12 @@ class Memory:
             return 0
         self.clear()
         self.tokens.extend(src.tokens[:n])  # recorded first, as extend does
-        self.ctx.parent.seq_cp(src.ctx.seq, self.ctx.seq, 0, n)
+        ctx = self.ctx.parent
+        if ctx.unified:
+            ctx.seq_cp(src.ctx.seq, self.ctx.seq, 0, n)
+        else:  # a stream per sequence: llama.cpp copies whole streams only, so copy it all and drop the rest
+            ctx.seq_cp(src.ctx.seq, self.ctx.seq)
+            ctx.seq_rm(n, -1, self.ctx.seq)
         return n
 
     def view(self, history: list[int]) -> list[int]:

@@ -276,6 +276,11 @@ class Model(_Handle):
         return int(C.llama_model_n_ctx_train(self.handle))
 
     @property
+    def n_swa(self) -> int:
+        """The sliding window of its sliding-window layers (0: none)."""
+        return int(C.llama_model_n_swa(self.handle))
+
+    @property
     def is_recurrent_or_hybrid(self) -> bool:
         return bool(C.llama_model_is_recurrent(self.handle)) or bool(C.llama_model_is_hybrid(self.handle))
 
@@ -366,9 +371,8 @@ class Context(_Handle):
         `flash_attn`: "on", "off" or "auto" (llama.cpp's choice: on where the device supports it).
         `swa_full`: give sliding-window layers a full-size cache (llama.cpp's default) instead of one that keeps
         about window + n_ubatch positions; specq keeps the small one and checks each rollback (`window_intact`).
-        `n_seq`: sequences held at once, n_ctx cells each, in one unified cache (kv_unified: a batch mixing any
-        sequences with any row counts is one ubatch, where separate streams split it into equal-length ones);
-        `unified` False: one stream per sequence instead (benchmarks/kv_layout.py compares the two)."""
+        `n_seq`: sequences held at once, n_ctx cells each: in one unified cache (a batch of any rows is one ubatch)
+        or, `unified` False, a stream each (equal-length ubatches; config.kv_streams, benchmarks/kv_layout.py)."""
         self.model = model
         self.name = name
         params = C.llama_context_default_params()
@@ -392,6 +396,8 @@ class Context(_Handle):
                              "try a smaller --ctx or fewer GPU layers")
         self._h = handle
         self.n_seq = int(n_seq)
+        self.unified = bool(params.kv_unified) or self.n_seq == 1  # False: a stream per sequence
+        self.n_padding_rows = 0  # rows decoded for idle sequences between busy ones (separate streams)
         self.n_ctx = int(C.llama_n_ctx(handle)) // self.n_seq  # one sequence's
         self.n_batch = int(C.llama_n_batch(handle))
         self.n_vocab = model.n_vocab
@@ -415,18 +421,15 @@ class Context(_Handle):
         self._out_row = {0: 0}  # each sequence's first output row in the last llama_decode
         self.n_multi_decodes = 0  # decodes that carried rows of two or more sequences
         self.max_seqs_per_decode = 1
-        # sliding-window layers that may have dropped old positions: the window (0: none, or a full-size cache)
-        self.n_swa = 0 if swa_full else int(C.llama_model_n_swa(model.handle))
+        self.n_swa = 0 if swa_full else model.n_swa  # the window of layers that may drop old positions (0: none)
         self.on_decode = None  # called as on_decode(name, n_tokens, pos0) after each llama_decode (simulated clocks)
         self._hidden_sinks: dict[int, Callable] = {}  # output_hidden(): seq → on_hidden(pos0, rows) after a decode
         self.n_outputs_max = int(n_outputs_max)
         self.n_warm_up_decodes = 0
 
     def warm_up(self) -> None:
-        """Decode a 2-token batch and a single token, then empty the cache. A fresh context's first decodes of
-        each kind pay one-time costs (weight and buffer pages touched, threads started) that would otherwise
-        land in the first timed step and make the adaptive controller's first estimates too dear. llama.cpp's
-        own tools warm up the same way."""
+        """Decode a 2-token batch and a single token, then empty the cache: a fresh context's first decodes pay
+        one-time costs (pages touched, threads started) that would make the controller's first estimates too dear."""
         bos = self.model.bos
         tok = bos if 0 <= bos < self.n_vocab else 0
         self.decode([tok, tok], 0, logits="all" if self.n_outputs_max == 0 or self.n_outputs_max >= 2 else "last")
@@ -513,7 +516,7 @@ class Context(_Handle):
     def decode_seqs(self, parts: list[tuple[int, list[int], int, str]]) -> None:
         """One llama_decode of several sequences' rows: parts (seq, tokens, pos0, logits "last"|"all"|"none"),
         each sequence once. Their output rows follow the parts' order; `logits(n, seq)` reads a sequence's."""
-        parts = [p for p in parts if p[1]]
+        parts, pads = padded(self, [p for p in parts if p[1]])
         m = sum(len(p[1]) for p in parts)
         if m > self.n_batch or len({p[0] for p in parts}) != len(parts):
             raise SpecqError(f"{self.name}: a batch of {m} rows over {len(parts)} sequences cannot be one decode "
@@ -542,8 +545,12 @@ class Context(_Handle):
         if len(parts) >= 2:
             self.n_multi_decodes += 1
             self.max_seqs_per_decode = max(self.max_seqs_per_decode, len(parts))
-        self._run(m, max(p[2] for p in parts), f"{self.name}: batch of {m} rows over {len(parts)} sequences",
-                  [(seq, pos0, len(tokens)) for seq, tokens, pos0, _ in parts])
+        try:
+            self._run(m, max(p[2] for p in parts), f"{self.name}: batch of {m} rows over {len(parts)} sequences",
+                      [(seq, pos0, len(tokens)) for seq, tokens, pos0, _ in parts])
+        finally:
+            for seq, _, pos0, _ in pads:
+                self.seq_rm(pos0, -1, seq)
 
     def _set_seqs(self, m: int, seq: int | None) -> None:
         """Point the batch's first m rows at their sequences (seq, or for None what _seq_want holds); only the
@@ -698,6 +705,35 @@ class SeqContext:
 
     def state_set(self, data: bytes, partial: bool = True) -> None:
         self.parent.state_set(data, partial, seq=self.seq)
+
+
+Part = tuple[int, list[int], int, str]  # a sequence's rows in one decode: (seq, tokens, pos0, logits)
+
+
+def padded(ctx: Context, parts: list[Part]) -> tuple[list[Part], list[Part]]:
+    """The parts of a decode in sequence order, with padding_rows where the context keeps a stream per sequence;
+    and those padding rows, to remove after the decode."""
+    parts = sorted(parts, key=lambda p: p[0])
+    pads = [] if ctx.unified else padding_rows(ctx, parts)
+    return sorted(parts + pads, key=lambda p: p[0]), pads
+
+
+def padding_rows(ctx: Context, parts: list[Part]) -> list[Part]:
+    """With a stream per sequence llama.cpp puts into one ubatch only sequences whose ids follow each other
+    (split_equal, sequential): one row for each idle sequence between busy ones keeps a step one pass over the
+    weights. The row is removed after the decode; its stream is its own, so nothing else sees it."""
+    busy = [p[0] for p in parts]
+    if len(busy) < 2 or len({len(p[1]) for p in parts}) != 1:
+        return []
+    pads = []
+    for seq in range(busy[0] + 1, busy[-1]):
+        if seq not in busy:
+            pos = ctx.pos_max(seq) + 1
+            if pos + 1 > ctx.n_ctx:
+                return []
+            pads.append((seq, [0] * len(parts[0][1]), pos, "none"))
+    ctx.n_padding_rows += sum(len(p[1]) for p in pads)
+    return pads
 
 
 class MtpContext(_Handle):
