@@ -53,7 +53,7 @@ def kv_streams(parallel: int, cpu: bool, plain_cache: bool) -> bool:
     """The target's cache layout for --parallel: a stream per sequence (llama-server's -np default) or one
     unified cache. In one cache every row's attention walks every sequence's cells; on the CPU, where the
     batch's planner keeps several sequences plain nearly always, separate streams made a plain step of the
-    deep pair 14% cheaper and served plain loads 0.89x -> 0.99x llama-server's (docs/benchmarks.md, "A stream
+    deep pair 14% cheaper and served plain loads 0.89x -> 0.99x llama-server's (docs/benchmarks.md, "a KV stream
     per sequence"). A verify mixing row counts is split there into equal-length passes, so a GPU, where
     drafting pays, keeps one cache; so do recurrent, sliding-window and MTP targets (`plain_cache` False),
     whose memory a padding row (ffi.padding_rows) would change."""
