@@ -146,6 +146,19 @@ def test_an_idle_sequence_between_busy_ones_gets_a_padding_row_and_keeps_its_mem
                 assert_consistent(x.session)
                 del x.session.history[:]
         assert gens[0].stats.n_drafted > 0
+        sampled = GenerationSettings(n_predict=20, temp=0.8, seed=5)  # llama.cpp's sampler reads rows by batch index
+        want_t = []
+        for i in (0, 2):
+            x = e.session(i).generate(e.tokenize(PROMPTS[i]), sampled, speculative=False).run()
+            want_t.append(x.tokens)
+            del x.session.history[:]
+        pads0 = e.tgt_ctx.n_padding_rows
+        gens = [e.session(i).generate(e.tokenize(PROMPTS[i]), sampled, speculative=False) for i in (0, 2)]
+        batch = Batch()
+        for x in gens:
+            batch.add(x)
+        batch.run()
+        assert [x.tokens for x in gens] == want_t and len(set(want_t[0])) > 5 and e.tgt_ctx.n_padding_rows > pads0
         del idle.history[:]  # a new prompt sharing the old one's start: the cached prefix is reused
         prompt = e.tokenize(PROMPTS[1] + " jumps")
         assert common_prefix(idle.tgt.tokens, prompt) > 2

@@ -721,7 +721,8 @@ def padded(ctx: Context, parts: list[Part]) -> tuple[list[Part], list[Part]]:
 def padding_rows(ctx: Context, parts: list[Part]) -> list[Part]:
     """With a stream per sequence llama.cpp puts into one ubatch only sequences whose ids follow each other
     (split_equal, sequential): one row for each idle sequence between busy ones keeps a step one pass over the
-    weights. The row is removed after the decode; its stream is its own, so nothing else sees it."""
+    weights. The row is removed after the decode; its stream is its own, so nothing else sees it. Its logits are
+    kept, so that llama.cpp's samplers, which take a row's index in the batch, read the row output_index names."""
     busy = [p[0] for p in parts]
     if len(busy) < 2 or len({len(p[1]) for p in parts}) != 1:
         return []
@@ -731,7 +732,7 @@ def padding_rows(ctx: Context, parts: list[Part]) -> list[Part]:
             pos = ctx.pos_max(seq) + 1
             if pos + 1 > ctx.n_ctx:
                 return []
-            pads.append((seq, [0] * len(parts[0][1]), pos, "none"))
+            pads.append((seq, [0] * len(parts[0][1]), pos, "all"))  # outputs: batch index = output row
     ctx.n_padding_rows += sum(len(p[1]) for p in pads)
     return pads
 
