@@ -19,6 +19,7 @@ import llama_cpp.llama_cpp as C
 
 from ...errors import ContextFullError, LlamaCallError, ModelFileError, SpecqError, UsageError, check_text
 from . import abort_guard
+from . import held as H
 from .gguf_check import check_model_file
 from .interrupts import deferred_sigint
 
@@ -323,7 +324,7 @@ class Model(_Handle):
         return C.llama_vocab_get_text(self.vocab, token) or b""
 
     def is_eog(self, token: int) -> bool:
-        return bool(C.llama_vocab_is_eog(self.vocab, token))
+        return bool(H.llama_vocab_is_eog(self.vocab, token))
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         data = check_text(text, "the text to tokenize").encode("utf-8")
@@ -343,10 +344,10 @@ class Model(_Handle):
         p = self._pieces.get(token)
         if p is None:
             buf = ctypes.create_string_buffer(64)
-            n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+            n = H.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
             if n < 0:
                 buf = ctypes.create_string_buffer(-n)
-                n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+                n = H.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
             p = buf.raw[:max(n, 0)]
             self._pieces[token] = p
         return p
@@ -570,6 +571,7 @@ class Context(_Handle):
         t0 = time.perf_counter()
         with call_clock(f"{self.name} decode"):
             rc = C.llama_decode(self.handle, self._batch)
+            C.llama_synchronize(self.handle)  # the results waited for here, the GIL released (held.py)
         self.decode_s += time.perf_counter() - t0
         self.n_decode_calls += 1
         if self.on_decode is not None:
@@ -597,8 +599,7 @@ class Context(_Handle):
         """A read-only (n_rows, n_vocab) float32 view of the last decode's outputs (a sequence's rows, where it
         shared the decode with others; valid until the next decode)."""
         rows = self.n_outputs if n_rows is None else n_rows
-        with call_clock(f"{self.name} logits"):  # waits for the decode's last results
-            ptr = C.llama_get_logits(self.handle)
+        ptr = H.llama_get_logits(self.handle)  # the decode has synchronized
         if not ptr or rows <= 0:
             raise SpecqError(f"{self.name}: no logits available from the last decode")
         off = self._out_row.get(seq, 0)
@@ -617,18 +618,18 @@ class Context(_Handle):
     # -- memory -------------------------------------------------------------------------------
     def seq_rm(self, p0: int, p1: int = -1, seq: int = 0) -> bool:
         """Remove positions [p0, p1) of the sequence; False where the memory cannot remove part of it."""
-        return bool(C.llama_memory_seq_rm(self._mem, seq, p0, p1))
+        return bool(H.llama_memory_seq_rm(self._mem, seq, p0, p1))
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make sequence dst also hold src's positions [p0, p1) (one unified cache: no data is copied)."""
         C.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
     def pos_max(self, seq: int = 0) -> int:
-        return int(C.llama_memory_seq_pos_max(self._mem, seq))
+        return int(H.llama_memory_seq_pos_max(self._mem, seq))
 
     def pos_min(self, seq: int = 0) -> int:
         """The oldest position the memory still holds (-1 when empty); > 0 once a sliding window has slid."""
-        return int(C.llama_memory_seq_pos_min(self._mem, seq))
+        return int(H.llama_memory_seq_pos_min(self._mem, seq))
 
     def window_intact(self, n: int, seq: int = 0) -> bool:
         """Whether the memory still holds every position a token at position n attends to, so that keeping
@@ -843,10 +844,10 @@ class MtpContext(_Handle):
         return np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()
 
     def seq_rm(self, p0: int, p1: int = -1, seq: int = 0) -> bool:
-        return bool(C.llama_memory_seq_rm(self._mem, int(seq), p0, p1))
+        return bool(H.llama_memory_seq_rm(self._mem, int(seq), p0, p1))
 
     def pos_max(self, seq: int = 0) -> int:
-        return int(C.llama_memory_seq_pos_max(self._mem, int(seq)))
+        return int(H.llama_memory_seq_pos_max(self._mem, int(seq)))
 
     def clear(self, seq: int | None = None) -> None:
         """Empty one sequence's positions (None: the whole cache)."""
@@ -889,7 +890,7 @@ class Sampler(_Handle):
     def sample(self, ctx: Context, idx: int) -> int:
         """Sample (and accept) a token from output row `idx` of ctx's last decode."""
         with call_clock(f"{ctx.name} sampling"):
-            return int(C.llama_sampler_sample(self._h, ctx.handle, ctx.output_index(idx)))
+            return int(H.llama_sampler_sample(self._h, ctx.handle, ctx.output_index(idx)))
 
     def _free(self, handle) -> None:
         C.llama_sampler_free(handle)
