@@ -301,12 +301,12 @@ def test_a_served_request_computes_only_on_the_thread_that_loaded_the_models(tin
 def test_a_reader_too_far_behind_loses_its_generation_instead_of_buffering_without_bound():
     import asyncio
 
-    from specq.native.serving.app import MAX_BUFFERED, _emitter
+    from specq.native.serving.outbox import MAX_BUFFERED, Outbox, emitter
 
     async def main():
         events: asyncio.Queue = asyncio.Queue()
         overflowed = []
-        emit = _emitter(asyncio.get_running_loop(), events, on_overflow=lambda: overflowed.append(1))
+        emit = emitter(Outbox(asyncio.get_running_loop()), events, on_overflow=lambda: overflowed.append(1))
         for i in range(MAX_BUFFERED + 10):  # nobody reads
             emit(("text", "x"))
         emit(("done", None))
@@ -315,3 +315,42 @@ def test_a_reader_too_far_behind_loses_its_generation_instead_of_buffering_witho
 
     size, overflowed = asyncio.run(main())
     assert size == MAX_BUFFERED + 1 and overflowed == 10  # the end still arrives; the overflow cancelled the job
+
+
+def test_a_steps_events_reach_the_loop_in_order_with_one_wake_up():
+    import asyncio
+    import threading
+    import time
+
+    from specq.native.serving.outbox import Outbox, emitter
+
+    async def main():
+        box = Outbox(asyncio.get_running_loop())
+        queues = [asyncio.Queue() for _ in range(4)]
+        emits = [emitter(box, q) for q in queues]
+
+        def step():  # a step of four sequences, three events each, sent from another thread
+            with box.held():
+                for i in range(3):
+                    for k, emit in enumerate(emits):
+                        emit(("text", f"{k}:{i}"))
+                    time.sleep(0.02)  # time for the loop to run, were it woken
+
+        async def on_thread(fn):
+            t = threading.Thread(target=fn)
+            t.start()
+            await asyncio.to_thread(t.join)
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if not box._calls:
+                    return
+
+        await on_thread(step)
+        wakeups = [box.n_wakeups]
+        await on_thread(lambda: emits[0](("done", None)))  # outside a step: at once
+        wakeups.append(box.n_wakeups)
+        return [[q.get_nowait()[1] for _ in range(q.qsize())] for q in queues], box.n_sent, wakeups
+
+    got, sent, wakeups = asyncio.run(main())
+    assert got[0] == ["0:0", "0:1", "0:2", None] and got[3] == ["3:0", "3:1", "3:2"]
+    assert sent == 13 and wakeups == [1, 2]  # the held step's twelve events at once, then the lone one

@@ -32,6 +32,7 @@ from .api import (FINISH, ApiError, ApiRequest, Limits, ResponseIds, chunk, cons
                   parse_json, parse_request, settings_for, sse, usage_chunk)
 from .answer import AnswerPlan, AnswerStream, call_grammar, merge, render_chat
 from .reasoning import think_format
+from .outbox import Outbox, emitter
 from .template import TemplateFormatter, load_template
 from .tools import template_family
 from .scheduler import Scheduler
@@ -117,6 +118,14 @@ class ServerState:
 
         self.metrics = ServerMetrics()
         self.worker = (Scheduler if engine.parallel > 1 else Worker)(engine, self.metrics, cfg.max_queue)
+        self._outbox: Outbox | None = None
+
+    def outbox(self) -> Outbox:
+        """The running event loop's outbox (every job's events, one wake-up of the loop per batch of them)."""
+        loop = asyncio.get_running_loop()
+        if self._outbox is None or self._outbox.loop is not loop:
+            self._outbox = Outbox(loop)
+        return self._outbox
 
     def prompt_tokens(self, req: ApiRequest) -> tuple[list[int], AnswerPlan]:
         """The request as tokens, and how its answer is read: chat through the target's template (as
@@ -361,8 +370,8 @@ class Handlers:
             settings = replace(settings, constraint=await run_in_threadpool(st.compile, c))
         events: asyncio.Queue = asyncio.Queue()
         job = Job(tokens, settings, req.stops, lambda item: None, cache_prompt=req.cache_prompt,
-                  speculative=req.speculative)
-        job.emit = _emitter(asyncio.get_running_loop(), events, on_overflow=job.cancel)
+                  speculative=req.speculative, outbox=st.outbox())
+        job.emit = emitter(job.outbox, events, on_overflow=job.cancel)
         st.worker.submit(job)
         ids = ResponseIds(kind, st.limits.model_id)
         if req.stream:
@@ -404,28 +413,6 @@ class Handlers:
         message = merge(answer.feed(text) + answer.flush())
         finish = answer.finish_reason(FINISH.get(outcome.finish, "stop"))
         return _json(full_response(ids, text, outcome, logprobs, message, finish))
-
-
-MAX_BUFFERED = 4096  # text events a response may hold unsent; a client that far behind is cancelled
-
-
-def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue,
-             on_overflow: Callable[[], None] | None = None) -> Callable[[tuple], None]:
-    """The worker thread's way into the event loop. A reader that falls MAX_BUFFERED events behind loses its
-    generation (on_overflow) rather than holding memory or, with --parallel, anyone else's tokens."""
-
-    def put(item: tuple) -> None:
-        if item[0] == "text" and events.qsize() >= MAX_BUFFERED:
-            if on_overflow is not None:
-                on_overflow()
-            return
-        events.put_nowait(item)
-
-    def emit(item: tuple) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop has closed (shutdown): nobody is listening
-            loop.call_soon_threadsafe(put, item)
-
-    return emit
 
 
 def create_app(state: ServerState, on_ready: Callable[[], None] | None = None):

@@ -16,6 +16,7 @@ from one step, not the eighth after seven).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 from dataclasses import dataclass, replace
@@ -163,6 +164,13 @@ class Scheduler(Worker):
             self.batch = Batch(self.batch.planner)
             return
         by_gen = {id(r.gen): r for r in self.running if r.gen is not None}
+        with contextlib.ExitStack() as held:  # the step's events wake the HTTP loop once, at the end
+            for box in {id(r.job.outbox): r.job.outbox for r in self.running if r.job.outbox is not None}.values():
+                held.enter_context(box.held())
+            self._send(results, by_gen)
+
+    def _send(self, results: list, by_gen: dict) -> None:
+        """Each generation's new text to its client; one that hit a stop string or its end leaves now."""
         for gen, events in results:
             run = by_gen[id(gen)]
             for j, ev in enumerate(events):

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ...errors import SpecqError
 from ..core.engine import Engine
@@ -91,6 +91,7 @@ class Job:
     cache_prompt: bool = True
     speculative: bool = True  # False: the target alone (draft_max 0)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    outbox: Any = None  # what `emit` sends through (outbox.Outbox: held() gathers a step's events), if anything
 
     def cancel(self) -> None:
         self.cancelled.set()
