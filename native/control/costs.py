@@ -117,6 +117,11 @@ class TargetCosts(Banded[VerifyBand]):
         super().__init__(VerifyBand)
         self.ema = ema
         self.attention_prior = attention_prior
+        self._v: dict[int, float] = {}  # V(b) at this context, until the next measurement or context
+
+    def at(self, n_ctx: int) -> None:
+        super().at(n_ctx)
+        self._v.clear()
 
     def measured(self, n_ctx: int) -> bool:
         """Whether a single-token decode was measured in n_ctx's band."""
@@ -130,6 +135,7 @@ class TargetCosts(Banded[VerifyBand]):
         """Seed n_ctx's band with a target decode of n_tokens (one token, or a batch priced as a verify of that
         size), where that size was not measured there yet."""
         c = self._band(ctx_band(n_ctx))
+        self._v.clear()
         if n_tokens > 1:
             if n_tokens not in c.v_mean:
                 c.v_mean[n_tokens] = target_s
@@ -141,6 +147,7 @@ class TargetCosts(Banded[VerifyBand]):
     def observe(self, b: int, verify_s: float) -> None:
         """A verify of b tokens took verify_s at the current context."""
         c = self.band
+        self._v.clear()
         if b == 1:
             c.ctx_one = running_mean(c.ctx_one if 1 in c.v_mean else None, float(self.n_ctx), self.ema)
         c.v_mean[b] = running_mean(c.v_mean.get(b), verify_s, self.ema)
@@ -157,7 +164,13 @@ class TargetCosts(Banded[VerifyBand]):
         return min(c.v_mean.values()) if c is not None else 1.0
 
     def verify_s(self, b: int) -> float:
-        """V(b) at the current context."""
+        """V(b) at the current context (a length choice prices each size many times: computed once)."""
+        v = self._v.get(b)
+        if v is None:
+            v = self._v[b] = self._verify_s(b)
+        return v
+
+    def _verify_s(self, b: int) -> float:
         # A single-token decode runs other kernels than a batch, so b = 1 stands alone; sizes not measured
         # yet come from a line through the measured batches (flat from one: optimistic, so it gets tried).
         # Verifying more tokens never costs less than one: a noisy reading must not make drafting look free.
