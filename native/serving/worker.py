@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from ...errors import SpecqError
 from ..core.engine import Engine
@@ -24,6 +24,7 @@ from ..core.settings import GenerationSettings
 from ..drafters.registry import drafts_without_model
 from .api import ApiError, Outcome
 from .logprob_wire import entry as logprob_entry
+from .outbox import Outbox
 
 if TYPE_CHECKING:
     from .metrics import ServerMetrics
@@ -91,7 +92,7 @@ class Job:
     cache_prompt: bool = True
     speculative: bool = True  # False: the target alone (draft_max 0)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    outbox: Any = None  # what `emit` sends through (outbox.Outbox: held() gathers a step's events), if anything
+    outbox: Outbox | None = None  # what `emit` sends through (held() gathers a step's events), if anything
 
     def cancel(self) -> None:
         self.cancelled.set()
