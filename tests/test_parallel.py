@@ -19,14 +19,15 @@ from stats import chi2_pvalue
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "Once upon a time, there"]
 
 
-def alone(target, prompts: list[str], lengths: list[int], ctx: int = 256, flash_attn: str = "auto") -> list[list[int]]:
-    """Each prompt's greedy answer from the target alone, one sequence, one token per step (`flash_attn`: the
-    attention path; one sequence on the CPU runs the plain kernel under auto)."""
+def alone(target, prompts: list, lengths: list[int], ctx: int = 256, flash_attn: str = "auto") -> list[list[int]]:
+    """Each prompt's (text or tokens) greedy answer from the target alone, one sequence, one token per step
+    (`flash_attn`: the attention path; one sequence on the CPU runs the plain kernel under auto)."""
     with Engine(target, ctx=ctx, threads=1, flash_attn=flash_attn) as e:
         out = []
         for p, n in zip(prompts, lengths):
             ses = e.session()
-            g = ses.generate(e.tokenize(p), GenerationSettings(n_predict=n), speculative=False).run()
+            toks = e.tokenize(p) if isinstance(p, str) else p
+            g = ses.generate(toks, GenerationSettings(n_predict=n), speculative=False).run()
             out.append(g.tokens)
         return out
 
@@ -44,6 +45,41 @@ def together(e: Engine, prompts: list[str], lengths: list[int], late: int = 0, *
         batch.add(g)
     batch.run()
     return gens
+
+
+@pytest.mark.parametrize("unified", [True, False])
+def test_a_waves_prompts_are_evaluated_in_one_decode_and_each_answer_is_its_own(unified, tiny_target, tiny_close,
+                                                                                 monkeypatch):
+    """One unified cache (a GPU's layout) joins a wave's prompts in one decode; a stream per sequence (the CPU's)
+    evaluates them one by one. Either way a prompt that cannot start fails alone and the others are exact."""
+    with Engine(tiny_target, ctx=64, threads=1) as e:
+        toks = [e.tokenize(p) for p in (PROMPTS[0], PROMPTS[2], PROMPTS[3])]
+    prompts, lengths = [t[:min(map(len, toks))] for t in toks], [20, 16, 24]
+    want = alone(tiny_target, prompts, lengths)
+    monkeypatch.setattr("specq.native.core.engine.kv_streams", lambda *a: not unified)
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1, parallel=4) as e:
+        ctx = e.tgt_ctx
+        assert ctx.unified == unified
+        idle = e.session(1)  # between busy sequences: its memory kept
+        idle.generate(e.tokenize(PROMPTS[1]), GenerationSettings(n_predict=3), speculative=False).run()
+        held = list(idle.tgt.tokens)
+        too_long = idle.generate(list(range(5, 305)), GenerationSettings(n_predict=4))
+        del idle.history[:]
+        multi0 = ctx.n_multi_decodes
+        gens = [e.session(i).generate(p, GenerationSettings(n_predict=n, draft_max=3))
+                for i, p, n in zip((0, 2, 3), prompts, lengths)]
+        batch = Batch()
+        failed = batch.add_all(gens[:1] + [too_long] + gens[1:])
+        assert [g for g, _ in failed] == [too_long] and "does not fit" in str(failed[0][1])
+        assert batch.n_joined_prompts == (3 if unified else 0) and ctx.n_multi_decodes == multi0 + unified
+        assert idle.tgt.tokens == held and idle.tgt.ctx.pos_max() == len(held) - 1
+        assert all(g.stats is None and g.snapshot().prompt_ms > 0 for g in gens)
+        batch.run()
+        for g, w in zip(gens, want):
+            assert len(set(w)) > 5
+            assert g.tokens == w
+            assert g.stats.n_drafted > 0
+            assert_consistent(g.session)
 
 
 def assert_consistent(ses):

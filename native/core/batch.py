@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ..control.batch_plan import BatchPlanner, Wish
 from ..control.chooser import AdaptiveDrafters
 from ..drafters.base import Drafter, Proposal
-from .memory import extend_many
+from .memory import extend_grouped, extend_many
 from .sampling import Sampling
 from .settings import GenerationSettings
 from .stats import TokenEvent
@@ -140,23 +140,54 @@ class Batch:
         self.plan_lengths = True
         self.n_unprepared = 0  # joiners whose drafts were left alone
         self.n_lone_plain = 0  # steps of an unprepared sequence alone, kept plain (_alone)
+        self.n_joined_prompts = 0  # prompts evaluated in one decode with another's (add_all)
 
     def add(self, gen: Generation) -> None:
-        """Evaluate a generation's prompt and make it live. Its draft is got ready (calibration timings, prompt
-        agreement, and after the first token the prompt read) where it may run alone (an empty batch, unless the
-        load that made the batch stop drafting is likely still there: BatchPlanner.settled_plain), where the batch
-        drafts, and — while the batch knows nothing of the draft's cost — for one sequence, whose timings price it;
-        else the draft reads the prompt as a catch-up when the batch first lets it draft (at high load maybe never)."""
-        seqs = {g.session.seq for g in self.live}
-        if gen.session.seq in seqs:
-            raise ValueError(f"sequence {gen.session.seq} already runs a generation in this batch")
-        pl = self.planner
-        prepare = not pl.settled_plain and (not self.live or pl.drafting) \
-            or not pl.knows_draft and not any(g.prepared for g in self.live)
-        gen.start(prepare=prepare)
-        if not prepare:
-            self.n_unprepared += 1
-        self.live.append(gen)
+        """Evaluate a generation's prompt and make it live (add_all of one)."""
+        failed = self.add_all([gen])
+        if failed:
+            raise failed[0][1]
+
+    def add_all(self, gens: list[Generation]) -> list[tuple[Generation, Exception]]:
+        """Evaluate several generations' prompts and make them live; those that could not start, with why (the
+        others go on). In one unified cache the prompts' untimed ends are evaluated together, in as few decodes
+        as the batch size allows (one pass of 4 or 8 prompts cost 0.65-0.77x one each on the CPU); a failure of
+        that decode is raised, nothing joined. With a stream per sequence llama.cpp splits prompts of different
+        lengths into many small passes (0.90-1.05x): one decode each there (docs/benchmarks.md).
+
+        Each draft is got ready (calibration timings, prompt agreement, and after the first token the prompt
+        read) where it may run alone (an empty batch, unless the load that made the batch stop drafting is likely
+        still there: BatchPlanner.settled_plain), where the batch drafts, and — while the batch knows nothing of
+        the draft's cost — for one sequence, whose timings price it; else the draft reads the prompt as a
+        catch-up when the batch first lets it draft (at high load maybe never)."""
+        pl, started, failed = self.planner, [], []
+        joined: list | None = [] if gens and gens[0].session.engine.tgt_ctx.unified else None
+        for gen in gens:
+            others = self.live + started
+            if gen.session.seq in {g.session.seq for g in others}:
+                failed.append((gen, ValueError(f"sequence {gen.session.seq} already runs a generation in this "
+                                               "batch")))
+                continue
+            prepare = not pl.settled_plain and (not others or pl.drafting) \
+                or not pl.knows_draft and not any(g.prepared for g in others)
+            n_joined = len(joined or ())
+            try:
+                gen.start(prepare=prepare, joined=joined)
+            except Exception as e:  # noqa: BLE001 - this prompt fails (too long, empty), the others go on
+                if joined:
+                    del joined[n_joined:]
+                failed.append((gen, e))
+                continue
+            self.n_unprepared += not prepare
+            started.append(gen)
+        if started and joined is not None:
+            clock = started[0].session.engine.clock
+            t0 = clock()
+            self.n_joined_prompts += extend_grouped(joined, started[0].session.engine.tgt_ctx.n_batch)
+            for gen in started:
+                gen.joined_prefill(clock() - t0)
+        self.live += started
+        return failed
 
     def step(self) -> list[tuple[Generation, list[TokenEvent]]]:
         """One step of every live generation: (generation, its new tokens) each. A generation whose step ended it

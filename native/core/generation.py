@@ -137,14 +137,16 @@ class Generation:
             self.conclude()
 
     # ---- the loop's pieces: a batch of sequences (core/batch.py) runs them itself, one step for all ----
-    def start(self, prepare: bool = True) -> None:
+    def start(self, prepare: bool = True, joined: list | None = None) -> None:
         """Evaluate the prompt and get ready for the first step. `prepare` False (joining a batch that is not
-        drafting, core/batch.py): no calibration timings or prompt agreement, the prompt in one decode."""
+        drafting, core/batch.py): no calibration timings or prompt agreement, the prompt in one decode.
+        `joined`: the prompt's untimed end is left to the caller, for one decode with other prompts
+        (Session.prefill_target); joined_prefill(seconds) follows it."""
         ses, s, p = self.session, self.settings, self._p
         self.prepared = prepare
         self._stop = "interrupted"  # until the loop ends by itself
         self._done = self._first = False
-        self._prefill(prepare)
+        self._prefill(prepare, joined)
         self._samp = Sampling(s, self.speculative, None if s.constraint is None else
                               Guide(s.constraint, ses.engine.target, self.tokens, self._clock))
         if self.controller is not None:
@@ -152,6 +154,14 @@ class Generation:
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         p.decode0 = self._decode_s()
         p.restores0, p.rollbacks0, p.slides0 = ses.n_restores, ses.n_rollbacks, window_counts(self.session)[0]
+        p.t_gen0 = self._clock()
+
+    def joined_prefill(self, seconds: float) -> None:
+        """The decode that evaluated this prompt's end with others' (start(joined=...)) took `seconds`: the
+        prompt's time, the whole of it (as a shared verify's), not the generation's."""
+        p = self._p
+        p.prompt_s += seconds
+        p.decode0 = self._decode_s()
         p.t_gen0 = self._clock()
 
     def plan(self) -> tuple[int, tuple[str, ...] | None] | None:
@@ -222,7 +232,7 @@ class Generation:
             return "ctx"
         return None
 
-    def _prefill(self, prepare: bool = True) -> None:
+    def _prefill(self, prepare: bool = True, joined: list | None = None) -> None:
         """Evaluate the prompt on the target (the draft's side waits for the first token: _read_prompt). Where
         nothing was measured at this context yet, the prefill times single tokens on each model, so that the first
         speculative step is priced at this context (at thousands of tokens attention changes the costs). Before the
@@ -251,7 +261,7 @@ class Generation:
                            timed=(lambda first, last: ctrl.calibration_points(first, last, has_reader))
                            if ctrl is not None and prepare else None,
                            agree=AGREE_TOKENS if self._wants or self._trial else 0,
-                           sampled=sampled)
+                           sampled=sampled, joined=joined)
         p.prompt_s = self._clock() - tp0
 
     def _read_prompt(self) -> None:

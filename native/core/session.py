@@ -238,10 +238,13 @@ class Session:
         return self.prefill_reader()
 
     def prefill_target(self, new_tokens: list[int], timed: Callable[[int, int], list[tuple[int, int]]] | None = None,
-                       agree: int = 0, sampled: GenerationSettings | None = None) -> None:
+                       agree: int = 0, sampled: GenerationSettings | None = None,
+                       joined: list | None = None) -> None:
         """prefill's target part: the target holds all but the history's last token when it returns, and a
         generation can take its first token (a plain step) before the reader reads the prompt
-        (prefill_reader), so that the draft's side of the prefill stays off the path to the first token."""
+        (prefill_reader), so that the draft's side of the prefill stays off the path to the first token.
+        `joined`: the tokens after the timed spans are not decoded but appended to it as (memory, tokens, "none"),
+        for one decode with other sequences' prompts (memory.extend_many; core/batch.py)."""
         if not new_tokens:
             raise UsageError("empty prompt; give some text to start from")
         total = len(self.history) + len(new_tokens)
@@ -256,7 +259,7 @@ class Session:
             self.reader.agree_rows = None
         try:
             self._rewind()
-            self._pending = self._target_spans(self._spans(timed, agree), sampled)
+            self._pending = self._target_spans(self._spans(timed, agree), sampled, joined)
         except BaseException:
             del self.history[-len(new_tokens):]
             self._rewind()
@@ -305,7 +308,8 @@ class Session:
                 spans.insert(i, Span(start, stop - start, agree=True))
         return spans
 
-    def _target_spans(self, spans: list[Span], sampled: GenerationSettings | None) -> list[tuple[Span, object]]:
+    def _target_spans(self, spans: list[Span], sampled: GenerationSettings | None,
+                      joined: list | None = None) -> list[tuple[Span, object]]:
         """Decode the prompt on the target, each span alone: a timed span's seconds, an agreement span's greedy
         choices (every row's logits) and, with `sampled`, its rows under that transform (AgreeRows), for the
         reader's part."""
@@ -317,7 +321,11 @@ class Session:
             self.tgt.extend(hist[pos:pos + n], logits="all" if span.agree or n > 1 else "last")
             t1 = clock()
             done.append((span, AgreeRows.of(self.tgt.ctx.logits(n), sampled) if span.agree else t1 - t0))
-        self.tgt.extend(hist[len(self.tgt.tokens):len(hist) - 1], logits="none")
+        rest = hist[len(self.tgt.tokens):len(hist) - 1]
+        if joined is None:
+            self.tgt.extend(rest, logits="none")
+        else:
+            joined.append((self.tgt, rest, "none"))
         return done
 
     def _agree_reader(self, pos: int, rows: AgreeRows) -> None:

@@ -10,8 +10,8 @@ stop string, a full context, a client gone) leaves at once; a stop string rolls 
 PREFILL_CHUNK: joining prompts are evaluated up to PREFILL_CHUNK tokens between two steps, so a long prompt delays
 the running sequences' next token by one chunk's prefill (256 tokens: ~0.1-0.3 s for the demo pair on 2 CPU cores),
 not by the whole prompt; a prompt up to one chunk beyond its cached prefix joins in one go, and several short ones
-that fit one chunk together join before the same step (eight clients arriving at once all get their first token
-from one step, not the eighth after seven).
+that fit one chunk together join before the same step, evaluated in one decode (eight clients arriving at once all
+get their first token from one step, not the eighth after seven).
 """
 
 from __future__ import annotations
@@ -125,35 +125,59 @@ class Scheduler(Worker):
 
     def _prefill_joining(self) -> None:
         """Up to PREFILL_CHUNK tokens of the joining prompts, in their order: every prompt whose rest fits starts
-        its generation in the batch; the first one that does not fit gets a chunk of its own if nothing was
-        evaluated yet."""
-        budget = PREFILL_CHUNK
+        its generation in the batch (their ends evaluated in one decode); the first one that does not fit gets a
+        chunk of its own if nothing was evaluated yet."""
+        budget, starting = PREFILL_CHUNK, []
         for run in [r for r in self.running if r.gen is None]:
             n = len(run.todo) - (0 if run.session.history else run.n_reused)
             if n > budget and budget < PREFILL_CHUNK:
-                return
+                break
             budget -= min(n, budget)
-            self._prefill_one(run)
+            if self._prefill_chunk(run):
+                starting.append(run)
             if budget <= 0:
-                return
+                break
+        if starting:
+            self._start(starting)
 
-    def _prefill_one(self, run: Running) -> None:
-        """One chunk of a joining prompt; its last part starts the generation in the batch."""
-        ses, job = run.session, run.job
+    def _prefill_chunk(self, run: Running) -> bool:
+        """One chunk of a joining prompt; whether its rest fits, so that it starts its generation now."""
+        ses = run.session
+        cut = PREFILL_CHUNK + (0 if ses.history else run.n_reused)
+        if len(run.todo) <= cut:
+            return True
         try:
-            cut = PREFILL_CHUNK + (0 if ses.history else run.n_reused)
-            if len(run.todo) > cut:
-                ses.prefill(run.todo[:cut])
-                del run.todo[:cut]
-                self.metrics.prefill_chunks.inc()
-                return
-            speculative = job.speculative and (self.engine.draft is not None
-                                               or drafts_without_model(job.settings.drafters))
-            gen = ses.generate(run.todo, job.settings, speculative=speculative)
-            self.batch.add(gen)
-            run.gen = gen
+            ses.prefill(run.todo[:cut])
         except Exception as e:  # noqa: BLE001 - the request fails, the server goes on
             self._fail([run], e)
+            return False
+        del run.todo[:cut]
+        self.metrics.prefill_chunks.inc()
+        return False
+
+    def _start(self, runs: list[Running]) -> None:
+        """The joining prompts' last parts start their generations in the batch (Batch.add_all)."""
+        gens = {}
+        for run in runs:
+            job = run.job
+            speculative = job.speculative and (self.engine.draft is not None
+                                               or drafts_without_model(job.settings.drafters))
+            try:
+                gens[id(run)] = run.session.generate(run.todo, job.settings, speculative=speculative)
+            except Exception as e:  # noqa: BLE001 - the request fails, the server goes on
+                self._fail([run], e)
+        runs = [r for r in runs if id(r) in gens]
+        try:
+            failed = {id(g): e for g, e in self.batch.add_all([gens[id(r)] for r in runs])}
+        except Exception as e:  # noqa: BLE001 - the requests that shared the failed decode fail, the server goes on
+            self._fail(runs, e)
+            return
+        for run in runs:
+            gen = gens[id(run)]
+            if id(gen) in failed:
+                self._fail([run], failed[id(gen)])
+            else:
+                run.gen = gen
 
     # ---- stepping ------------------------------------------------------------------------------------------
     def _step(self) -> None:
