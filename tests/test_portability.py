@@ -97,7 +97,8 @@ def test_cpu_flags_parse_linux_cpuinfo_and_arm_features():
     assert cpu.cpu_flags("processor : 0\n") is None
 
 
-Q4_0, Q4_1, Q4_K, Q8_0, F32 = (int(gguf.GGMLQuantizationType[t]) for t in ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "F32"))
+Q4_0, Q4_1, Q4_K, Q8_0, F32, F16 = (int(gguf.GGMLQuantizationType[t])
+                                     for t in ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "F32", "F16"))
 
 
 def _layers(n, q_type, q_rows=64):
@@ -126,6 +127,19 @@ def test_repack_patterns_fall_back_to_single_tensors_when_a_layer_does_not_quali
     pats = cpu.repack_patterns(tensors, avx2=True)
     assert not any(re.search(p, "blk.2.attn_q.weight") for p in pats)
     assert any(re.search(p, "blk.0.attn_q.weight") for p in pats)
+
+
+def test_amx_f16_patterns_name_the_f16_matmul_weights_the_amx_buffer_takes():
+    tensors = [("token_embd.weight", (64, 1000), F16), ("output.weight", (64, 1024), F16),
+               ("blk.0.attn_q.weight", (64, 64), F16), ("blk.1.attn_q.weight", (64, 64), F16),
+               ("blk.0.ffn_up.weight", (64, 128), Q4_0), ("blk.0.ffn_down.weight", (128, 64), F16),
+               ("blk.1.ffn_down.weight", (128, 48), F16), ("blk.0.attn_norm.weight", (64,), F32)]
+    pats = cpu.amx_f16_patterns(tensors)
+    chosen = {n for n, *_ in tensors if any(re.search(p, n) for p in pats)}
+    # not the embedding (a row lookup), not a quantized weight (the crashing tile path), not 48 rows (not a
+    # multiple of 32): that layer's tensor alone is left out
+    assert chosen == {"output.weight", "blk.0.attn_q.weight", "blk.1.attn_q.weight", "blk.0.ffn_down.weight"}
+    assert r"^blk\.\d+\.attn_q\.weight$" in pats
 
 
 # ---- the policy as llama.cpp applies it (a real load; the overrides are the part that could go wrong) -------
@@ -157,7 +171,7 @@ def _load_and_decode(path, mode: str) -> tuple[list[int], list[str], int]:
             for i in range(12):
                 out.append(int(c.logits(1)[0].argmax()))
                 c.decode([out[-1]], len(toks) + i)
-            return out, h.lines, m.n_repacked
+            return out, h.lines, m.n_repacked + m.n_amx_f16
     finally:
         lg.removeHandler(h)
         lg.setLevel(old)
@@ -181,6 +195,21 @@ def test_amx_off_sends_repackable_weights_to_the_repack_buffer_by_name(tiny_q4_0
     if not (cpu.system_info_flag(_ffi.system_info(), "AMX_INT8") and any(f in flags for f in cpu.AMX_CPU_FLAGS)):
         on, _, _ = _load_and_decode(tiny_q4_0, "on")
         assert on == off
+
+
+def test_amx_off_keeps_f16_weights_on_the_amx_buffers_avx512_path_where_it_exists(models_dir, tiny_target):
+    from specq.native.llama import ffi as _ffi
+
+    path = models_dir / "target-f16.gguf"
+    if not path.exists():
+        _ffi.quantize(tiny_target, path, _ffi.ftype_by_name()["F16"])
+    amx_off, amx_log, n_patterns = _load_and_decode(path, "amx-off")
+    off, _, _ = _load_and_decode(path, "off")
+    assert len(set(off)) > 3 and amx_off == off
+    if "AMX" in _ffi.cpu_extra_buffer_types():  # an AMX build on an AMX CPU (llama.cpp registers it only there)
+        assert n_patterns > 0 and any("overridden to AMX" in line for line in amx_log)
+    else:
+        assert not any("overridden to AMX" in line for line in amx_log)
 
 
 def test_cpu_amx_flag_reaches_the_engine(tiny_target, tiny_close, monkeypatch):

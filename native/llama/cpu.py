@@ -27,6 +27,11 @@ SHOWN_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vnni"
 REPACK_TYPES_AVX2 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_K,
                      gguf.GGMLQuantizationType.IQ4_NL, gguf.GGMLQuantizationType.MXFP4)
 REPACK_ROWS_MULTIPLE = 8
+# The AMX buffer's F16 matmul runs AVX-512 kernels, no AMX tile instruction (ggml-cpu/amx/mmq.cpp: "f16 only has
+# avx512 kernels"): the crash is the quantized tile path's, so amx-off keeps F16 weights there, as llama.cpp
+# would put them (1.13-1.25x a 4-sequence step of an F16 target on a Xeon, docs/benchmarks.md). Its supports_op:
+# the row length a multiple of 16, the rows a multiple of 32 (TILE_N * 2).
+AMX_F16_COLS_MULTIPLE, AMX_ROWS_MULTIPLE = 16, 32
 # Weights used only as matrix multiplications (the op the repack buffer serves), by gguf's own names.
 _MATMUL_TENSORS = (gguf.MODEL_TENSOR.ATTN_Q, gguf.MODEL_TENSOR.ATTN_K, gguf.MODEL_TENSOR.ATTN_V,
                    gguf.MODEL_TENSOR.ATTN_QKV, gguf.MODEL_TENSOR.ATTN_OUT, gguf.MODEL_TENSOR.FFN_GATE,
@@ -87,7 +92,7 @@ def decide(system_info: str, flags: tuple[str, ...] | None, allow_amx: bool = Fa
     keep = "CPU repack kept" if repack_available else "no CPU-repack buffer in this build"
     return CpuPolicy(shown, True, "amx-off" if repack_available else "off",
                      f"AMX buffer off: the build has AMX kernels and {why}, and llama.cpp's AMX matmul crashes "
-                     f"(upstream llama.cpp#20824); {keep}; --cpu-amx opts in")
+                     f"(upstream llama.cpp#20824); {keep}; F16 weights kept on its AVX-512 path; --cpu-amx opts in")
 
 
 def _matmul_name(name: str) -> str | None:
@@ -107,14 +112,26 @@ def repack_patterns(tensors, avx2: bool) -> list[str]:
     each tensor)."""
     if not avx2:
         return []
+    return _patterns(tensors, lambda shape, ggml_type: len(shape) == 2 and ggml_type in REPACK_TYPES_AVX2
+                     and shape[1] % REPACK_ROWS_MULTIPLE == 0)
+
+
+def amx_f16_patterns(tensors) -> list[str]:
+    """Regexes naming the F16 matmul weights llama.cpp's AMX buffer takes (its AVX-512 path); as repack_patterns."""
+    f16 = int(gguf.GGMLQuantizationType.F16)
+    return _patterns(tensors, lambda shape, ggml_type: len(shape) == 2 and ggml_type == f16
+                     and shape[0] % AMX_F16_COLS_MULTIPLE == 0 and shape[1] % AMX_ROWS_MULTIPLE == 0)
+
+
+def _patterns(tensors, good) -> list[str]:
+    """The matmul weights (and output.weight) for which good(shape, ggml type) holds, as regexes."""
     ok: dict[str, list[bool]] = {}
     names: dict[str, list[str]] = {}
     for name, shape, ggml_type in tensors:
         kind = _OUTPUT if name == _OUTPUT else _matmul_name(name)
         if kind is None:
             continue
-        good = (len(shape) == 2 and ggml_type in REPACK_TYPES_AVX2 and shape[1] % REPACK_ROWS_MULTIPLE == 0)
-        ok.setdefault(kind, []).append(good)
+        ok.setdefault(kind, []).append(good(shape, ggml_type))
         names.setdefault(kind, []).append(name)
     out = []
     for kind in ok:

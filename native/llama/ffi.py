@@ -179,6 +179,7 @@ class Model(_Handle):
         # Never a configuration known to crash (native/llama/cpu.py): the AMX buffer stays off unless asked for.
         self.cpu_policy = cpu_buffers or cpu_policy(allow_amx=cpu_amx)
         self.n_repacked = 0  # weight patterns sent to the CPU-repack buffer by name ("amx-off")
+        self.n_amx_f16 = 0  # F16 weight patterns sent to the AMX buffer's AVX-512 path ("amx-off")
         if not self.cpu_policy.use_extra_bufts:
             params.use_extra_bufts = False
             all_cpu = n_gpu_layers == 0 or not supports_gpu_offload() or devices == []
@@ -207,20 +208,28 @@ class Model(_Handle):
         self._pieces: dict[int, bytes] = {}
 
     def _set_repack_overrides(self, params) -> None:
-        from .cpu import repack_patterns, system_info_flag
+        """amx-off: weights the CPU-repack kernels take go to that buffer, F16 weights to the AMX buffer's
+        AVX-512 path (cpu.amx_f16_patterns), by name; every other weight stays in plain CPU memory."""
+        from .cpu import amx_f16_patterns, repack_patterns, system_info_flag
         from .gguf_header import read_header
 
-        repack = cpu_extra_buffer_types().get("CPU_REPACK")
-        if not repack:
-            return
+        bufts = cpu_extra_buffer_types()
         tensors = [(t.name, t.shape, t.ggml_type) for t in read_header(self.path).tensors]
-        patterns = repack_patterns(tensors, avx2=system_info_flag(system_info(), "AVX2"))
-        arr = (_BuftOverride * (len(patterns) + 1))()
-        for i, pat in enumerate(patterns):
-            arr[i].pattern, arr[i].buft = pat.encode(), repack
+        chosen = []
+        if bufts.get("CPU_REPACK"):
+            chosen += [(p, bufts["CPU_REPACK"]) for p in repack_patterns(tensors,
+                                                                         avx2=system_info_flag(system_info(), "AVX2"))]
+        self.n_repacked = len(chosen)
+        if bufts.get("AMX"):
+            chosen += [(p, bufts["AMX"]) for p in amx_f16_patterns(tensors)]
+        self.n_amx_f16 = len(chosen) - self.n_repacked
+        if not chosen:
+            return
+        arr = (_BuftOverride * (len(chosen) + 1))()
+        for i, (pat, buft) in enumerate(chosen):
+            arr[i].pattern, arr[i].buft = pat.encode(), buft
         self._overrides = arr
         params.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p).value
-        self.n_repacked = len(patterns)
 
     # -- lifetime ---------------------------------------------------------------------------
     @property
