@@ -22,6 +22,8 @@ def test_auto_turns_flash_attention_off_on_the_cpu_and_leaves_gpus_to_llama_cpp(
     # two sequences or more in one unified cache: the flash kernel skips the other sequences' masked cells
     assert choose_flash_attn("auto", 0, None, parallel=1) == "off"
     assert choose_flash_attn("auto", 0, None, parallel=2) == "on"
+    assert choose_flash_attn("auto", 0, None, parallel=4, streams=True) == "off"  # each row its own stream
+    assert choose_flash_attn("on", 0, None, parallel=4, streams=True) == "on"
     assert choose_flash_attn("auto", 999, (), parallel=8) == "on"
     assert choose_flash_attn("auto", 999, ("CUDA0",), parallel=8) == "auto"
     assert choose_flash_attn("off", 0, None, parallel=8) == "off"

@@ -60,6 +60,8 @@ def test_a_waves_prompts_are_evaluated_in_one_decode_and_each_answer_is_its_own(
     with Engine(tiny_target, tiny_close, ctx=256, threads=1, parallel=4) as e:
         ctx = e.tgt_ctx
         assert ctx.unified == unified
+        # auto on the CPU: flash attention where the sequences share one cache, the plain kernel with a stream each
+        assert e.flash_attn == ("on" if unified else "off") and e.draft_flash_attn == "on"
         idle = e.session(1)  # between busy sequences: its memory kept
         idle.generate(e.tokenize(PROMPTS[1]), GenerationSettings(n_predict=3), speculative=False).run()
         held = list(idle.tgt.tokens)
@@ -93,8 +95,8 @@ def assert_consistent(ses):
 def test_each_sequence_greedy_equals_its_own_run_alone(tiny_target, tiny_close):
     lengths = [40, 12, 33, 25]
     want = alone(tiny_target, PROMPTS, lengths)
-    with Engine(tiny_target, tiny_close, ctx=256, threads=1, parallel=4) as e:
-        assert e.flash_attn == "on"  # four sequences on the CPU (config.choose_flash_attn): exact with it too
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1, parallel=4, flash_attn="on") as e:
+        assert e.flash_attn == "on"  # exact with flash attention too (auto: off with a stream per sequence)
         gens = together(e, PROMPTS, lengths, late=1, draft_max=4)
         for g, w in zip(gens, want):
             assert len(set(w)) > 5
@@ -327,11 +329,11 @@ def test_demo_pair_four_sequences_each_as_alone():
 
 def test_a_shared_prompt_start_is_copied_from_another_sequence_not_evaluated(tiny_target, tiny_close):
     system = "You are a careful assistant who answers in short sentences. " * 2
-    # two sequences run the flash kernel on the CPU (config.FA_PARALLEL_MIN): the reference runs it too, so that a
-    # difference is the copied prefix's, not the kernels' rounding at a near tie
-    want = alone(tiny_target, [system + PROMPTS[1]], [20], flash_attn="on")[0]
+    # two sequences, a stream each, run the plain kernel on the CPU (config.choose_flash_attn), as the reference
+    # does, so that a difference is the copied prefix's, not the kernels' rounding at a near tie
+    want = alone(tiny_target, [system + PROMPTS[1]], [20])[0]
     with Engine(tiny_target, tiny_close, ctx=512, threads=1, parallel=2) as e:
-        assert e.flash_attn == "on"
+        assert e.flash_attn == "off" and not e.tgt_ctx.unified
         a, b = e.session(0), e.session(1)
         a.generate(e.tokenize(system + PROMPTS[0]), GenerationSettings(n_predict=8, draft_max=4)).run()
         prompt = e.tokenize(system + PROMPTS[1])

@@ -24,7 +24,7 @@ class Placement:
     devices: tuple[str, ...] | None = None
     draft_devices: tuple[str, ...] | None = None
     cpu_amx: bool = False  # let llama.cpp use its AMX weight buffer (native/llama/cpu.py: off by default)
-    flash_attn: str = "auto"  # the target's attention path: on, off or auto (llama.cpp's choice)
+    flash_attn: str = "auto"  # the target's attention path: on, off or auto (llama.cpp's choice, or Engine's)
     draft_flash_attn: str = "auto"
     rpc: tuple[str, ...] = ()  # RPC servers whose devices were added (--rpc)
 
@@ -110,8 +110,15 @@ def resolve_placement(target: str, draft: str | None, *, ctx: int, ngl: int | No
     return Placement(ngl=n_tgt, ngl_draft=n_dft, main_gpu=main_gpu, tensor_split=split,
                      draft_tensor_split=draft_split or (None if rpc else split), devices=devices,
                      draft_devices=draft_devices, cpu_amx=cpu_amx,
-                     flash_attn=choose_flash_attn(flash_attn, n_tgt, devices, parallel),
+                     flash_attn=_target_flash_attn(flash_attn, n_tgt, devices, parallel),
                      draft_flash_attn=choose_flash_attn(flash_attn, n_dft,
                                                         draft_devices if draft_devices is not None else devices,
                                                         parallel),
                      rpc=endpoints)
+
+
+def _target_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None, parallel: int) -> str:
+    """The target's attention path, except where auto would turn it on for sequences sharing one cache: Engine
+    decides there, knowing whether the target keeps a stream per sequence (config.choose_flash_attn)."""
+    chosen = choose_flash_attn(flag, ngl, devices, parallel)
+    return flag if flag == "auto" and chosen == "on" else chosen

@@ -19,10 +19,11 @@ FLASH_ATTN_VALUES = ("auto", "on", "off")
 FA_PARALLEL_MIN = 2  # sequences in one unified cache from which the CPU's flash-attention kernel pays
 
 
-def choose_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None, parallel: int = 1) -> str:
+def choose_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None, parallel: int = 1,
+                      streams: bool = False) -> str:
     """The attention path for one model: what --flash-attn says, and for auto, on a model that runs on the CPU
-    alone off — or on where FA_PARALLEL_MIN or more sequences share its cache — else llama.cpp's own choice
-    ("auto": on where the device supports it).
+    alone off — or on where FA_PARALLEL_MIN or more sequences share one unified cache (not `streams`, a stream
+    per sequence: kv_streams) — else llama.cpp's own choice ("auto": on where the device supports it).
 
     On the CPU, llama.cpp's flash-attention kernel decodes slower than the plain one once the context is
     long, and a verify batch more so: docs/benchmarks.md#long-context measures plain decoding and verifies
@@ -31,14 +32,17 @@ def choose_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None, para
     plain kernel attends every row to every sequence's cells and masks the others', where the flash kernel skips
     masked cells: benchmarks/parallel_attention.py (docs/benchmarks.md, "The attention path with several
     sequences") measured it faster with it on at 2, 4 and 8 sequences, plain steps and verifies of 4 rows each, at
-    200-2,000 tokens each (0.40-0.96 of the time off), where one sequence is as fast either way (0.94-1.10)."""
+    200-2,000 tokens each (0.40-0.96 of the time off), where one sequence is as fast either way (0.94-1.10).
+    With a stream per sequence each row attends its own stream, as one sequence does: a 4-sequence step took
+    0.26-0.88 of the time with it off on an AVX-512 Xeon (docs/benchmarks.md, "Flash attention with a stream per
+    sequence")."""
     if flag not in FLASH_ATTN_VALUES:
         raise UsageError(f"--flash-attn must be auto, on or off ({flag})")
     if flag != "auto":
         return flag
     if not on_cpu(ngl, devices):
         return "auto"
-    return "on" if parallel >= FA_PARALLEL_MIN else "off"
+    return "on" if parallel >= FA_PARALLEL_MIN and not streams else "off"
 
 
 def on_cpu(ngl: int, devices: tuple[str, ...] | None) -> bool:

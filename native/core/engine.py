@@ -94,7 +94,7 @@ class Engine:
         self.draft_threads = draft_threads or self.threads
         draft_flash_attn = self.draft_flash_attn = choose_flash_attn(draft_flash_attn or flash_attn, ngl_draft,
                                                                      draft_devices or devices, parallel)
-        flash_attn = self.flash_attn = choose_flash_attn(flash_attn, ngl, devices, parallel)
+        choose_flash_attn(flash_attn, ngl, devices, parallel)  # a bad value fails before any load
         self.target = _ffi.Model(target, n_gpu_layers=ngl, main_gpu=main_gpu, tensor_split=tensor_split,
                                  devices=devices, cpu_amx=cpu_amx, load_mtp=mtp is not False)
         self.draft = None
@@ -108,13 +108,15 @@ class Engine:
                 check_compatible(VocabInfo.of(self.target), VocabInfo.of(self.draft))
             t = self.target
             plain_cache = not (t.is_recurrent_or_hybrid or t.n_swa or mtp is not False and t.n_layer_nextn > 0)
+            streams = kv_streams(parallel, on_cpu(ngl, devices), plain_cache)
+            flash_attn = self.flash_attn = choose_flash_attn(flash_attn, ngl, devices, parallel, streams)
             # A verify batch [last, d1..dn] must be one decode with logits at every row: never split it.
             rows = parallel * (DRAFT_MAX_CAP + 1)  # every sequence's verify in one decode
             self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=max(n_batch, rows),
                                         n_outputs_max=rows, name="target",
                                         n_rs_seq=rollback_tokens if self.target.is_recurrent_or_hybrid else 0,
                                         flash_attn=flash_attn, n_seq=parallel,
-                                        unified=not kv_streams(parallel, on_cpu(ngl, devices), plain_cache))
+                                        unified=not streams)
             self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,  # None or 0: all of it
                                          n_batch=max(draft_n_batch or n_batch, parallel),
                                          n_outputs_max=max(AGREE_TOKENS, parallel), name="draft",
