@@ -6,7 +6,7 @@ benchmarks/prompts/adaptive12.jsonl in ChatML (the demo pair's template), all bu
 prefill leaves it. Medians of --repeat waves after a warm-up, the two ways in turn.
 
     python benchmarks/joined_prefill.py [--pair demo|deep] [--threads 2] [--parallel 4,8] [--repeat 7] \
-        [--json benchmarks/results/joined_prefill-demo-cpu2-threads2.json]
+        [--json benchmarks/results/joined_prefill-demo-xeon2-threads2.json]
 """
 
 from __future__ import annotations

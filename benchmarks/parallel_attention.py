@@ -1,12 +1,14 @@
-"""The attention path with several sequences in one unified cache (`--parallel N` on the CPU): flash attention off
+"""The attention path with several sequences (`--parallel N` on the CPU) in one unified cache, or with
+`--layout streams` a stream per sequence (the CPU's served layout since config.kv_streams): flash attention off
 against on, for one target decode of N sequences × r rows after P cached tokens each (a plain step: r = 1; a
 verify of 3 drafted tokens: r = 4). Two contexts, one per path, timed in turn (medians of 7 after a warm-up).
 
-Why it differs from one sequence: the plain kernel attends each row to every cell of the unified cache and masks
-the other sequences' cells, where the CPU's flash kernel skips masked cells (config.choose_flash_attn).
+Why one cache differs from one sequence: the plain kernel attends each row to every cell of the unified cache and
+masks the other sequences' cells, where the CPU's flash kernel skips masked cells (config.choose_flash_attn); with
+a stream each, each row attends its own stream, as one sequence does.
 
     python benchmarks/parallel_attention.py [--pair demo|deep] [--threads 1] [--parallel 1,2,3,4,8] \
-        [--depths 200,1000,2000] [--json benchmarks/results/parallel_attention-demo.json]
+        [--depths 200,1000,2000] [--layout unified|streams] [--json benchmarks/results/parallel_attention-demo.json]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from deep_pair import pair  # noqa: E402
+from specq.native.core import engine as _engine  # noqa: E402
 from specq.native.core.engine import Engine  # noqa: E402
 
 
@@ -52,7 +55,8 @@ def measure(target: Path, threads: int, n: int, depths: list[int], repeat: int) 
                         for s in range(n):
                             ctx.seq_rm(p, -1, seq=s)
                 ms = {fa: 1e3 * statistics.median(v[1:]) for fa, v in ts.items()}
-                rows_out.append({"parallel": n, "depth": p, "rows_per_seq": r, "off_ms": ms["off"], "on_ms": ms["on"],
+                rows_out.append({"layout": "unified" if e.tgt_ctx.unified else "streams", "parallel": n, "depth": p,
+                                 "rows_per_seq": r, "off_ms": ms["off"], "on_ms": ms["on"],
                                  "on_over_off": ms["on"] / ms["off"]})
                 print(f"N={n} depth {p} rows {n}x{r}: off {ms['off']:.1f} ms, on {ms['on']:.1f} ms "
                       f"(on/off {ms['on'] / ms['off']:.2f})", file=sys.stderr, flush=True)
@@ -70,6 +74,8 @@ def arguments(doc: str, threads: int, parallel: str, depths: str) -> argparse.Na
     ap.add_argument("--parallel", default=parallel)
     ap.add_argument("--depths", default=depths)
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--layout", choices=("unified", "streams"), default="unified",
+                    help="the target's KV layout with several sequences (parallel_attention.py only)")
     ap.add_argument("--json")
     return ap.parse_args()
 
@@ -85,6 +91,7 @@ def write(a: argparse.Namespace, target: Path, load0: tuple, rows: list[dict]) -
 
 def main() -> None:
     a = arguments(__doc__, 1, "1,2,3,4,8", "200,1000,2000")
+    _engine.kv_streams = lambda parallel, cpu, plain_cache: a.layout == "streams" and parallel > 1
     target, _ = pair(a.pair)
     load0 = os.getloadavg()
     rows = []

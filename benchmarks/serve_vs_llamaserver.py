@@ -11,7 +11,7 @@ over the rounds (every round's row is kept). Also: how many prompts got the same
 every N.
 
     python benchmarks/serve_vs_llamaserver.py --llama-server PATH/llama-server [--pair demo|deep] \
-        [--clients 1,4,8] [--requests 2] [--max-tokens 96] [--rounds 1] [--json benchmarks/results/serve_vs_llamaserver-X.json]
+        [--clients 1,4,8] [--requests 2] [--max-tokens 96] [--rounds 1] [--cpu-amx] [--json benchmarks/results/serve_vs_llamaserver-X.json]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str
         return [str(Path(sys.executable).parent / "specq"), "serve", "--target", str(target), "--draft", str(draft),
                 "--host", "127.0.0.1", "--port", "0", "--threads", str(a.threads), "--ctx", str(CTX),
                 "--parallel", str(n), "--draft-max", a.draft_max, "--max-queue", "64",
-                "--max-tokens", str(a.max_tokens)]
+                "--max-tokens", str(a.max_tokens)] + (["--cpu-amx"] if a.cpu_amx else [])
     cmd = [a.llama_server, "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "-np", str(n),
            "-c", str(n * CTX), "-t", str(a.threads), "-tb", str(a.threads), "--no-webui", "-ngl", "0"]
     if kind == "llama-server spec":
@@ -91,6 +91,8 @@ def main() -> None:
     ap.add_argument("--draft-max", default="auto")
     ap.add_argument("--rounds", type=int, default=1, help="turns of every server at each N (medians over them)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="the servers to run (ratios need all four)")
+    ap.add_argument("--cpu-amx", action="store_true",
+                    help="specq serve --cpu-amx: llama.cpp's AMX weight buffer, as llama-server uses it on an AMX CPU")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     target, draft = pair(a.pair)
