@@ -1,7 +1,7 @@
 """A wave of N prompts joining `specq serve --parallel N` at once: their tokens evaluated one prompt per decode (as
-the scheduler did) against all of them in one decode (Batch.add_all, as llama-server does), on the target's
-served layout on the CPU (a stream per sequence, flash attention on, no padding rows) and on a GPU (one unified
-cache, where llama.cpp splits a batch into ubatches by rows alone). The prompts are those of
+the scheduler did) against all of them in one decode (Batch.add_all, as llama-server does), in the target's
+served layout on the CPU (a stream per sequence) and on a GPU (one unified cache, where llama.cpp splits a batch
+into ubatches by rows alone); flash attention on in both. The prompts are those of
 benchmarks/prompts/adaptive12.jsonl in ChatML (the demo pair's template), all but each one's last token, as a
 prefill leaves it. Medians of --repeat waves after a warm-up, the two ways in turn.
 
@@ -12,7 +12,6 @@ prefill leaves it. Medians of --repeat waves after a warm-up, the two ways in tu
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -20,8 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from deep_pair import pair  # noqa: E402
-from parallel_attention import arguments, write  # noqa: E402
+from parallel_attention import start, write  # noqa: E402
 from specq.native.llama import ffi  # noqa: E402
 
 PROMPTS = Path(__file__).parent / "prompts" / "adaptive12.jsonl"
@@ -43,7 +41,7 @@ def measure(model: ffi.Model, threads: int, n: int, repeat: int, unified: bool) 
             for way in ts:
                 t0 = time.perf_counter()
                 if way == "joined":
-                    ctx.decode_seqs([(s, t, 0, "none") for s, t in enumerate(wave)], pad=False)
+                    ctx.decode_seqs([(s, t, 0, "none") for s, t in enumerate(wave)])
                 else:
                     for s, t in enumerate(wave):
                         ctx.decode(t, 0, logits="none", seq=s)
@@ -64,9 +62,7 @@ def measure(model: ffi.Model, threads: int, n: int, repeat: int, unified: bool) 
 
 
 def main() -> None:
-    a = arguments(__doc__, 2, "4,8", "0")
-    target, _ = pair(a.pair)
-    load0 = os.getloadavg()
+    a, target, load0 = start(__doc__, 2, "4,8", "0")
     model = ffi.Model(target)
     rows = [measure(model, a.threads, int(n), a.repeat, unified) for n in a.parallel.split(",")
             for unified in (False, True)]

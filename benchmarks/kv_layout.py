@@ -11,7 +11,6 @@ Two contexts, timed in turn, medians after a warm-up.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -21,8 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from deep_pair import pair  # noqa: E402
-from parallel_attention import arguments, write  # noqa: E402
+from parallel_attention import start, write  # noqa: E402
 from specq.native.llama import ffi  # noqa: E402
 
 PATTERNS = {"plain": lambda n: [1] * n, "verify 3": lambda n: [3] * n, "mixed 5+1": lambda n: [5] + [1] * (n - 1)}
@@ -60,9 +58,7 @@ def measure(model: ffi.Model, threads: int, n: int, depth: int, repeat: int) -> 
 
 
 def main() -> None:
-    a = arguments(__doc__, 2, "4,8", "200,1000")
-    target, _ = pair(a.pair)
-    load0 = os.getloadavg()
+    a, target, load0 = start(__doc__, 2, "4,8", "200,1000")
     model = ffi.Model(target)
     rows = []
     for n in [int(x) for x in a.parallel.split(",")]:

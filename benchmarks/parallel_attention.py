@@ -80,6 +80,13 @@ def arguments(doc: str, threads: int, parallel: str, depths: str) -> argparse.Na
     return ap.parse_args()
 
 
+def start(doc: str, threads: int, parallel: str, depths: str) -> tuple[argparse.Namespace, Path, tuple]:
+    """The options (arguments), the pair's target and the load before the run, for this script and its kin."""
+    a = arguments(doc, threads, parallel, depths)
+    target, _ = pair(a.pair)
+    return a, target, os.getloadavg()
+
+
 def write(a: argparse.Namespace, target: Path, load0: tuple, rows: list[dict]) -> None:
     """The run's JSON (settings, machine, load before and after, every row) to --json, where given."""
     doc = {"pair": a.pair, "target": target.name, "settings": {k: v for k, v in vars(a).items() if k != "json"},
@@ -90,10 +97,8 @@ def write(a: argparse.Namespace, target: Path, load0: tuple, rows: list[dict]) -
 
 
 def main() -> None:
-    a = arguments(__doc__, 1, "1,2,3,4,8", "200,1000,2000")
+    a, target, load0 = start(__doc__, 1, "1,2,3,4,8", "200,1000,2000")
     _engine.kv_streams = lambda parallel, cpu, plain_cache: a.layout == "streams" and parallel > 1
-    target, _ = pair(a.pair)
-    load0 = os.getloadavg()
     rows = []
     for n in [int(x) for x in a.parallel.split(",")]:
         rows += measure(target, a.threads, n, [int(x) for x in a.depths.split(",")], a.repeat)
