@@ -11,7 +11,8 @@ over the rounds (every round's row is kept). Also: how many prompts got the same
 every N.
 
     python benchmarks/serve_vs_llamaserver.py --llama-server PATH/llama-server [--pair demo|deep] \
-        [--clients 1,4,8] [--requests 2] [--max-tokens 96] [--rounds 1] [--cpu-amx] [--json benchmarks/results/serve_vs_llamaserver-X.json]
+        [--clients 1,4,8] [--requests 2] [--max-tokens 96] [--rounds 1] [--cpu-amx] [--spec-args=-nr] \
+        [--json benchmarks/results/serve_vs_llamaserver-X.json]
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str
            "-c", str(n * CTX), "-t", str(a.threads), "-tb", str(a.threads), "--no-webui", "-ngl", "0"]
     if kind == "llama-server spec":
         cmd += ["--spec-type", "draft-simple", "--spec-draft-model", str(draft), "--spec-draft-n-max", "8",
-                "-ngld", "0"]
+                "-ngld", "0"] + a.spec_args.split()
     return cmd
 
 
@@ -93,6 +94,9 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help="the servers to run (ratios need all four)")
     ap.add_argument("--cpu-amx", action="store_true",
                     help="specq serve --cpu-amx: llama.cpp's AMX weight buffer, as llama-server uses it on an AMX CPU")
+    ap.add_argument("--spec-args", default="",
+                    help="more llama-server arguments for its speculative mode (-nr on an AMX CPU: the Q4_1 draft "
+                         "in its AMX buffer crashes, docs/troubleshooting.md)")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     target, draft = pair(a.pair)
