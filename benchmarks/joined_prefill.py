@@ -35,9 +35,9 @@ def measure(model: ffi.Model, threads: int, n: int, repeat: int, unified: bool) 
     ctx = ffi.Context(model, 2048, threads, n_seq=n, flash_attn="on", unified=unified)
     toks = prompts(model)
     ts: dict[str, list[float]] = {"one by one": [], "joined": []}
+    waves = [[toks[(r * n + s) % len(toks)] for s in range(n)] for r in range(repeat + 1)]
     try:
-        for r in range(repeat + 1):
-            wave = [toks[(r * n + s) % len(toks)] for s in range(n)]
+        for wave in waves:
             for way in ts:
                 t0 = time.perf_counter()
                 if way == "joined":
@@ -51,8 +51,8 @@ def measure(model: ffi.Model, threads: int, n: int, repeat: int, unified: bool) 
     finally:
         ctx.close()
     ms = {k: 1e3 * statistics.median(v[1:]) for k, v in ts.items()}
-    row = {"parallel": n, "layout": "unified" if unified else "streams", "tokens_per_wave": statistics.median(sum(len(toks[(r * n + s) % len(toks)])
-                                                                  for s in range(n)) for r in range(1, repeat + 1)),
+    row = {"parallel": n, "layout": "unified" if unified else "streams",
+           "tokens_per_wave": statistics.median(sum(map(len, w)) for w in waves[1:]),
            "one_by_one_ms": ms["one by one"], "joined_ms": ms["joined"],
            "joined_over_one_by_one": ms["joined"] / ms["one by one"]}
     print(f"N={n} {row['layout']}: one by one {ms['one by one']:.1f} ms, joined {ms['joined']:.1f} ms "

@@ -184,8 +184,9 @@ class Batch:
             clock = started[0].session.engine.clock
             t0 = clock()
             self.n_joined_prompts += extend_grouped(joined, started[0].session.engine.tgt_ctx.n_batch)
+            seconds = clock() - t0
             for gen in started:
-                gen.joined_prefill(clock() - t0)
+                gen.joined_prefill(seconds)
         self.live += started
         return failed
 

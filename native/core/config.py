@@ -34,8 +34,7 @@ def choose_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None, para
     sequences") measured it faster with it on at 2, 4 and 8 sequences, plain steps and verifies of 4 rows each, at
     200-2,000 tokens each (0.40-0.96 of the time off), where one sequence is as fast either way (0.94-1.10).
     With a stream per sequence each row attends its own stream, as one sequence does: a 4-sequence step took
-    0.26-0.88 of the time with it off on an AVX-512 Xeon (docs/benchmarks.md, "Flash attention with a stream per
-    sequence")."""
+    0.26-0.88 of the time with it off on an AVX-512 Xeon (docs/benchmarks.md, "On an Intel Xeon (AVX-512, AMX)")."""
     if flag not in FLASH_ATTN_VALUES:
         raise UsageError(f"--flash-attn must be auto, on or off ({flag})")
     if flag != "auto":

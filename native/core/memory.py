@@ -141,23 +141,18 @@ def extend_many(parts: list[tuple[Memory, list[int], str]]) -> None:
 
 def extend_grouped(parts: list[tuple[Memory, list[int], str]], n_batch: int) -> int:
     """Prompts' tokens on their sequences (of a unified cache), in as few decodes of at most n_batch rows as their
-    order allows (one longer than that alone, in chunks). The prompts that shared a decode with another's."""
-    parts = [p for p in parts if p[1]]
-    n_joined, group, rows = 0, [], 0
-    for part in parts + [None]:
-        n = len(part[1]) if part is not None else n_batch + 1
-        if group and rows + n > n_batch:
-            extend_many(group)
-            n_joined += len(group) if len(group) > 1 else 0
-            group, rows = [], 0
-        if part is None:
-            break
-        if n > n_batch:
-            part[0].extend(part[1], part[2])
-            continue
-        group.append(part)
-        rows += n
-    return n_joined
+    order allows (one longer than that alone, in chunks: extend_many of one part). The prompts that shared a
+    decode with another's."""
+    groups, rows = [[]], 0
+    for part in (p for p in parts if p[1]):
+        if groups[-1] and rows + len(part[1]) > n_batch:
+            groups.append([])
+            rows = 0
+        groups[-1].append(part)
+        rows += len(part[1])
+    for group in groups:
+        extend_many(group)
+    return sum(len(g) for g in groups if len(g) > 1)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -157,23 +157,21 @@ class Scheduler(Worker):
 
     def _start(self, runs: list[Running]) -> None:
         """The joining prompts' last parts start their generations in the batch (Batch.add_all)."""
-        gens = {}
+        pairs = []
         for run in runs:
             job = run.job
             speculative = job.speculative and (self.engine.draft is not None
                                                or drafts_without_model(job.settings.drafters))
             try:
-                gens[id(run)] = run.session.generate(run.todo, job.settings, speculative=speculative)
+                pairs.append((run, run.session.generate(run.todo, job.settings, speculative=speculative)))
             except Exception as e:  # noqa: BLE001 - the request fails, the server goes on
                 self._fail([run], e)
-        runs = [r for r in runs if id(r) in gens]
         try:
-            failed = {id(g): e for g, e in self.batch.add_all([gens[id(r)] for r in runs])}
+            failed = {id(g): e for g, e in self.batch.add_all([g for _, g in pairs])}
         except Exception as e:  # noqa: BLE001 - the requests that shared the failed decode fail, the server goes on
-            self._fail(runs, e)
+            self._fail([r for r, _ in pairs], e)
             return
-        for run in runs:
-            gen = gens[id(run)]
+        for run, gen in pairs:
             if id(gen) in failed:
                 self._fail([run], failed[id(gen)])
             else:
