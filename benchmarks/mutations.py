@@ -5,7 +5,7 @@ The source files are edited in place and restored afterwards (also on Ctrl-C or 
 
     python benchmarks/mutations.py [--only NAME,...] [--markdown] [--first]
 
-A whole run takes about as long as the tests, once per mutant (28 here: ~1.5 h on 2 cores); --first stops each
+A whole run takes about as long as the tests, once per mutant (29 here: ~1.5 h on 2 cores); --first stops each
 mutant's run at its first failing test (every mutant still has to die; the table then names that one test).
 """
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_exactness.py", "tests/test_rejection.py", "tests/test_engine.py", "tests/test_accept.py",
          "tests/test_tinyqwen35.py", "tests/test_hybrid.py", "tests/test_swa.py", "tests/test_mtp.py",
          "tests/test_counts.py", "tests/test_parallel.py", "tests/test_logprobs.py",
-         "tests/test_batch_plan.py", "tests/test_constrained.py"]
+         "tests/test_batch_plan.py", "tests/test_constrained.py", "tests/test_serve_tools_e2e.py"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,9 @@ MUTANTS = [
            (("native/core/logprobs.py", "    x = row.astype(np.float64)\n", "    x = row.astype(np.float64) / 1.5\n"),)),
     Mutant("logprobs-row-shift", "a token's logprobs read from the row after the one that chose it",
            (("native/core/logprobs.py", "zip(rows, emitted)", "zip(np.roll(rows, -1, axis=0), emitted)"),)),
+    Mutant("named-choice-repeats", "a named tool_choice lets the call grammar repeat (parallel_tool_calls' default "
+                                   "kept): the answer may hold several calls",
+           (("native/serving/tools.py", 'parallel is not False and kind != "function")', "parallel is not False)"),)),
 ]
 
 

@@ -392,6 +392,31 @@ def test_a_named_function_and_parallel_false_narrow_the_grammar(tokenizer, famil
     assert not accepts(tokenizer, named, CANNED[family][0].replace("Let me look that up.", ""))
 
 
+@pytest.mark.parametrize("family", list(CANNED))
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_a_named_choice_is_exactly_one_call_whatever_parallel_tool_calls_says(tokenizer, family, parallel):
+    """OpenAI: a named tool_choice is a call to exactly that function. The request's plan and the grammar built
+    from it take one call of it (then the end); a second call of the same function is refused, in every format."""
+    fields = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    if parallel is not None:
+        fields["parallel_tool_calls"] = parallel
+    req = chat_request([{"role": "user", "content": "hi"}], **fields)
+    assert req.tools.parallel is False
+    plan = AnswerPlan(family, SCHEMAS, parallel=req.tools.parallel, forced=req.tools)
+    grammar, after = call_grammar(plan, lambda text, special: _tokens(text) if special else list(text.encode()))
+    one = GOOD[family].split("\n<tool_call>")[0].split("[TOOL_CALLS]get_time")[0]
+    if family == "mistral":
+        one = one.split(", {")[0] + "]"
+    assert after is None and accepts(tokenizer, grammar, one), one
+    twice = {"llama3": one + "; " + one, "mistral": one[:-1] + ", " + one[len("[TOOL_CALLS]["):]}.get(family,
+                                                                                                  one + "\n" + one)
+    if family == "mistral-args":
+        twice = one + one
+    assert not accepts(tokenizer, grammar, twice), twice
+    message, _, _ = read(plan, twice)
+    assert calls_of(message) == [PARIS]  # and the reader keeps one call
+
+
 def test_markers_the_vocabulary_lacks_are_spelled_as_text(tokenizer):
     grammar = tool_call_grammar("qwen-json", TOOLS)
     text = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>'

@@ -13,7 +13,8 @@ openai = pytest.importorskip("openai")
 
 from serve_proc import ServerProc  # noqa: E402
 
-TEMPLATE = Path(__file__).parent / "data" / "templates" / "Qwen3.5-4B.jinja"
+TEMPLATES = Path(__file__).parent / "data" / "templates"
+TEMPLATE = TEMPLATES / "Qwen3.5-4B.jinja"
 ARGS = ["--threads", "1", "--max-tokens", "64", "--draft-max", "4"]
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather forecast for a city",
@@ -38,6 +39,17 @@ def _server(tmp_path_factory, *extra: str) -> ServerProc:
 @pytest.fixture(scope="module")
 def qwen_server(tmp_path_factory):
     srv = _server(tmp_path_factory, "--template", str(TEMPLATE))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen25_server(tmp_path_factory):
+    """Qwen2.5's template (JSON calls, no thinking): on it the demo model, let go on, writes its call again."""
+    srv = _server(tmp_path_factory, "--template", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"),
+                  "--max-tokens", "96")
     try:
         yield srv
     finally:
@@ -184,3 +196,70 @@ def test_a_response_format_holds_the_answer_after_the_reasoning_not_the_reasonin
     assert reasoning and not reasoning.lstrip().startswith("{")
     assert reasoning == free.choices[0].message.model_extra.get("reasoning_content")
     assert held.choices[0].finish_reason == "length" and not held.choices[0].message.content
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _args(text: str):
+    """A call's arguments as JSON, or as the text where max_tokens cut them."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _calls(srv: ServerProc, stream: bool = False, **kw) -> tuple[list[tuple[str, dict]], str, list[int], dict]:
+    """A greedy request's (calls as (name, arguments), finish_reason, the streamed tool-call indexes, usage's
+    speculative counts)."""
+    c = client(srv)
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=96) | kw
+    if not stream:
+        r = c.chat.completions.create(**kw)
+        calls = [(t.function.name, _args(t.function.arguments)) for t in r.choices[0].message.tool_calls or ()]
+        return calls, r.choices[0].finish_reason, [], r.usage.model_extra["speculative"]
+    indexes, chunks = [], []
+    for n, chunk in enumerate(c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})):
+        assert n < 10_000
+        chunks.append(chunk)
+        indexes += [tc.index for ch in chunk.choices for tc in ch.delta.tool_calls or ()]
+    msg, finish = _merge_stream(iter(chunks))
+    return ([(t["name"], _args(t["arguments"])) for t in msg["tool_calls"]], finish, indexes,
+            chunks[-1].usage.model_extra["speculative"])
+
+
+def test_a_named_tool_choice_is_one_call_where_the_model_would_repeat_it(qwen25_server):
+    """OpenAI's contract: tool_choice naming a function is exactly one call of it. On this template the demo model
+    writes the call again and again when the grammar lets it (`required`, parallel calls allowed: the control);
+    named, the grammar ends the answer after one call, whole and streamed (index 0 only), with drafting."""
+    calls, finish, _, _ = _calls(qwen25_server, tool_choice="required")
+    assert len(calls) >= 2 and calls[0][0] == "get_weather", calls  # the model repeats the call
+    for parallel in (None, True, False):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        calls, finish, _, spec = _calls(qwen25_server, tool_choice=NAMED, **extra)
+        assert calls == [("get_weather", {"city": "Paris"})] and finish == "tool_calls", (parallel, calls)
+        assert spec["constrained"] is True and spec["n_accepted_constrained"] > 0, spec
+        streamed, finish, indexes, _ = _calls(qwen25_server, stream=True, tool_choice=NAMED, **extra)
+        assert streamed == calls and finish == "tool_calls" and set(indexes) == {0}, (parallel, indexes)
+    calls, finish, _, _ = _calls(qwen25_server, tool_choice="required", parallel_tool_calls=False)
+    assert calls == [("get_weather", {"city": "Paris"})] and finish == "tool_calls"
+
+
+def _gbnf_call(city: str) -> str:
+    return json.dumps(f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>')
+
+
+def test_auto_with_parallel_tool_calls_false_returns_one_call_of_several_written(qwen25_server):
+    """Under tool_choice auto the model writes what it writes: here a grammar (llama-server's `grammar` field)
+    makes it write two calls. With parallel_tool_calls true both come back; false, only the first, streamed as
+    index 0 only."""
+    grammar = f'root ::= {_gbnf_call("Paris")} "\\n" {_gbnf_call("London")}'
+    both = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "London"})]
+    for stream in (False, True):
+        calls, finish, indexes, _ = _calls(qwen25_server, stream, extra_body={"grammar": grammar})
+        assert calls == both and finish == "tool_calls"
+        assert not stream or set(indexes) == {0, 1}
+        calls, finish, indexes, _ = _calls(qwen25_server, stream, parallel_tool_calls=False,
+                                           extra_body={"grammar": grammar})
+        assert calls == both[:1] and finish == "tool_calls"
+        assert not stream or set(indexes) == {0}

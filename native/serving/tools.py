@@ -105,7 +105,8 @@ def parse_tools(body: dict) -> ToolRequest | None:
     kind, name = _choice(choice, names)
     if not parsed:
         return None
-    return ToolRequest(parsed, kind, name, parallel is not False)
+    # a named tool_choice is a call to exactly that function (OpenAI): one call, whatever parallel_tool_calls says
+    return ToolRequest(parsed, kind, name, parallel is not False and kind != "function")
 
 
 def _choice(choice: Any, names: list[str]) -> tuple[str, str | None]:
