@@ -16,7 +16,9 @@ class AdaptiveDrafters:
     one (`shared`) holds what every step measures alike: the verify cost by batch size (its TargetCosts, which
     every drafter's controller holds by reference), the per-step overhead and the exploration budget. While
     plain decoding wins, a short probe of the drafter tried least recently runs every `probe_interval` steps
-    (doubling while probes keep failing), so that a drafter whose estimate went stale can come back.
+    (doubling while probes keep failing), so that a drafter whose estimate went stale can come back. Probes and
+    explorations (another drafter tried in the best one's place) are paid from one exploration budget, each priced
+    against what it displaces: a plain token, or the best drafter's tokens at its rate.
 
     `model`: the drafter that drafts with the draft model (the prefill's draft timings and prompt agreement are
     its); `memoryless`: drafters with no memory of the text, so nothing to catch up on (n-gram lookup)."""
@@ -37,6 +39,8 @@ class AdaptiveDrafters:
         self.n_plain_steps = 0
         self.n_probes = 0
         self.last_used = {name: 0 for name in self.per}
+        self.behind = {name: 0 for name in self.per}  # tokens emitted since each drafter last drafted
+        self.exploring: tuple[str, float] | None = None  # (drafter, the displaced pace in s a token): being tried
         self.explore_interval = {name: probe_min for name in self.per}  # see _explore
         self.n_steps = 0
         self.n_chosen = {name: 0 for name in self.per}
@@ -120,19 +124,21 @@ class AdaptiveDrafters:
         if keep:
             self.n_charged += 1
         if best is not None:
-            return self._draft(best, best_k, limits)
+            return self._draft(best, best_k, 1.0 / best_rate, limits)
         return self._plain_or_probe(limits)
 
-    def _draft(self, best: str, best_k: int, limits: dict[str, int]) -> Choice:
-        """Drafting wins this step: the best drafter's, unless another is due to be explored (_explore)."""
+    def _draft(self, best: str, best_k: int, pace_s: float, limits: dict[str, int]) -> Choice:
+        """Drafting wins this step (the best drafter's tokens cost pace_s each): the best drafter's, unless another
+        is due to be explored (_explore)."""
         self.schedule.drafting()
         self.explore_interval[best] = self.probe_min
         self.per[best].chosen()
-        other = self._explore(best, limits)
+        other = self._explore(best, pace_s, limits)
         if other is not None:
             lim = min(limits[other], self.cap)
             k, _ = self._best(other, lim)
             self.n_probes += 1
+            self.exploring = (other, pace_s)
             return Choice(self._use(other), max(k, min(self.probe_k, lim)))
         return Choice(self._use(best), best_k)
 
@@ -146,7 +152,7 @@ class AdaptiveDrafters:
         streak = self.schedule.plain_streak
         due = [n for n, lim in limits.items() if lim > 0 and self.per[n].could_pay(min(lim, self.cap))
                and streak > self.per[n].probe_gap(self.schedule.interval)
-               and self.per[n].may_probe(self.n_steps - self.last_used[n])]
+               and self.per[n].may_probe(self.behind[n])]
         if due:
             name = min(due, key=lambda n: self.last_used[n])
             self.schedule.probe(self.per[name].thin_evidence())
@@ -156,18 +162,20 @@ class AdaptiveDrafters:
         self.n_plain_steps += 1
         return Choice(None, 0)
 
-    def _explore(self, best: str, limits: dict[str, int]) -> str | None:
+    def _explore(self, best: str, pace_s: float, limits: dict[str, int]) -> str | None:
         """Another drafter to try this step instead of the best one, so that a drafter's estimate is not
         frozen by one unlucky try while another wins every step (the text may change: a prompt to copy from
         makes n-grams pay): one with a proposal now that was tried too few times yet (every other step), or
-        one not used for its exploration interval, which doubles up to probe_max while it keeps losing."""
+        one not used for its exploration interval, which doubles up to probe_max while it keeps losing; either
+        only where the exploration budget has room for its expected loss against the best drafter's tokens
+        (pace_s each: a useless draft model tried in place of long n-gram copies loses most of a step)."""
         for name, lim in limits.items():
             if name == best or lim <= 0:
                 continue
             c = self.per[name]
             since = self.n_steps - self.last_used[name]
             due = since >= 2 if c.thin_evidence() else since > self.explore_interval[name]
-            if due and c.could_pay(min(lim, self.cap)):
+            if due and c.could_pay(min(lim, self.cap)) and c.may_probe(self.behind[name], pace_s):
                 if not c.thin_evidence():
                     self.explore_interval[name] = doubled(self.explore_interval[name], self.probe_max)
                 return name
@@ -184,6 +192,13 @@ class AdaptiveDrafters:
         self.shared.observe(replace(step, draft_token_s=None, first_token_s=None, catchup=None))
         if step.drafter is not None and step.n_drafted:
             self.per[step.drafter].observe(step)
+        explored, self.exploring = self.exploring, None
+        if explored is not None and explored[0] == step.drafter and not step.shared:
+            # an exploration's measured loss against the displaced drafter's tokens (a gain pays back)
+            self.shared.budget.spent_s += step.step_s - (step.expected_accepted + 1) * explored[1]
+        for name in self.behind:
+            drafted = name == step.drafter and step.n_drafted
+            self.behind[name] = 0 if drafted else self.behind[name] + step.n_accepted + 1
 
     def snapshot(self, limit: int | None = None) -> AdaptiveSnapshot:
         """The snapshot of the drafter chosen most often (costs and plain steps as measured for all)."""

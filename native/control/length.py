@@ -259,19 +259,23 @@ class AdaptiveDraft:
         """Whether drafting could beat plain decoding even at perfect acceptance, with the measured costs."""
         return best_draft_length([1.0] * limit, self.draft_s(), self.verify_s, self.overhead, self.first_s())[0] > 0
 
-    def may_probe(self, behind: int) -> bool:
-        """Whether the exploration budget has room for a probe now, `behind` tokens since this drafter last ran."""
-        return self.budget.allows(self.probe_extra_s(behind), self.verify_s(1) + self.overhead, self.remaining)
+    def may_probe(self, behind: int, pace_s: float | None = None) -> bool:
+        """Whether the exploration budget has room for a probe now, `behind` tokens since this drafter last ran;
+        `pace_s`: what a token costs on the way of decoding the probe displaces (None: plain decoding), which
+        also prices the tokens still to come."""
+        pace = self.verify_s(1) + self.overhead if pace_s is None else pace_s
+        return self.budget.allows(self.probe_extra_s(behind, pace), pace, self.remaining)
 
-    def probe_extra_s(self, behind: int) -> float:
-        """What a probe is expected to cost beyond plain decoding: catching up on the `behind` tokens decoded
-        without this drafter, its probe_k tokens and their verify, less the plain steps its expected tokens save.
-        At long context a one-token probe loses even when accepted (a 2-token verify can cost 1.5 single ones)."""
-        plain = self.verify_s(1) + self.overhead
+    def probe_extra_s(self, behind: int, pace_s: float | None = None) -> float:
+        """What a probe is expected to cost beyond the way of decoding it displaces (plain decoding, or a token
+        every `pace_s`): catching up on the `behind` tokens decoded without this drafter, its probe_k tokens and
+        their verify, less what its expected tokens would have taken. At long context a one-token probe loses
+        even when accepted (a 2-token verify can cost 1.5 single ones)."""
+        pace = self.verify_s(1) + self.overhead if pace_s is None else pace_s
         k = self.probe_k
         tokens = expected_tokens(self.alphas(), k)
         return (self.first_s() + (k - 1) * self.draft_s() + max(behind - 1, 0) * self.catchup_s()
-                + self.verify_s(k + 1) + self.overhead - tokens * plain)
+                + self.verify_s(k + 1) + self.overhead - tokens * pace)
 
     def probe_gap(self, at_least: int = 0) -> int:
         """Plain steps before this drafter's next probe (explore.ProbeSchedule.gap)."""
