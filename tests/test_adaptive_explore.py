@@ -15,28 +15,38 @@ from specq.native.control.step import StepOutcome
 # 0.25 ms a token; an n-gram lookup 0.1 ms.
 PLAIN, FIRST, CATCH, LOOKUP = 0.025, 0.003, 0.00025, 0.0001
 MATCH, ALPHA_NGRAM = 0.55, 0.9  # the share of positions with a match to copy from; its acceptance there
+# The demo pair's own Q4_1 draft, as measured there: 9 ms a drafted token, 3 ms a token of catch-up (a prefill of
+# the draft), 94% of its drafts accepted.
+GOOD = {"alpha": 0.94, "first": 0.009, "per": 0.009, "catch": 0.003}
 
 
 def verify(b: int) -> float:
     return PLAIN if b == 1 else 0.029 + 0.0018 * b
 
 
-def answers(auto: bool, seed: int, n_answers: int = 3, n_tokens: int = 150) -> tuple[list[float], list[int], object]:
+def answers(auto: bool, seed: int, n_answers: int = 3, n_tokens: int = 150, good: bool = False,
+            match: np.ndarray | None = None) -> tuple[list[float], list[int], object]:
     """Answers of n_tokens over the same text (where a match is and which copied tokens are right is fixed by the
-    text position, whoever drafts): auto choosing between the model (it agrees on nothing: prompt agreement 0 of
-    32, acceptance 0) and n-grams, or n-grams alone (their own length controller, plain where nothing matches).
-    Returns each answer's time, each answer's model-drafted steps, and the controller."""
+    text position, whoever drafts): auto choosing between the model and n-grams, or n-grams alone (their own
+    length controller, plain where nothing matches). The model agrees on nothing (prompt agreement 0 of 32,
+    acceptance 0) or, `good`, is the demo pair's draft (GOOD). `match`: where the text has a match (default: each
+    position with probability MATCH). Returns each answer's time, each answer's model-drafted steps, and the
+    controller."""
     rng = np.random.default_rng(seed)
     has_match, right = rng.random(n_answers * 1000) < MATCH, rng.random(n_answers * 1000) < ALPHA_NGRAM
+    has_match = has_match if match is None else match
+    model_right = rng.random(n_answers * 1000) < (GOOD["alpha"] if good else 0.0)
+    first, per, catch = (GOOD["first"], GOOD["per"], GOOD["catch"]) if good else (FIRST, FIRST, CATCH)
     c = (AdaptiveDrafters(16, {"model": 0.2, "ngram": 0.01}, model="model", memoryless={"ngram"}) if auto
          else AdaptiveDraft(16, cost_ratio_prior=0.01))
     times, model_steps = [], []
     for ans in range(n_answers):
         c.new_answer()
         if auto:  # the prefill's calibration and the draft's prompt agreement, as Generation gives them
-            c.calibrate(200, PLAIN, FIRST)
+            c.calibrate(200, PLAIN, first)
+            c.calibrate_catchup(200, 150, 150 * catch)  # the draft model's read of the prompt
             if c.wants_agreement():
-                c.seed_acceptance(0, 32)
+                c.seed_acceptance(32 * GOOD["alpha"] if good else 0, 32)
         behind, tokens, t, n_model = 1, 0, 0.0, 0
         while tokens < n_tokens:
             at = ans * 1000 + tokens
@@ -52,14 +62,14 @@ def answers(auto: bool, seed: int, n_answers: int = 3, n_tokens: int = 150) -> t
                 tokens, t, behind = tokens + 1, t + PLAIN, behind + 1
                 continue
             a = 0
-            while name == "ngram" and a < k and right[at + a]:
+            while a < k and (right if name == "ngram" else model_right)[at + a]:
                 a += 1
             if name == "model":
                 n_model += 1
-                draft_s = FIRST * k + max(behind - 1, 0) * CATCH
-                out = StepOutcome(k, a, FIRST if k > 1 else None, verify(k + 1), 0.0, draft_s=draft_s,
-                                  first_token_s=FIRST if behind <= 2 else None,
-                                  catchup=(behind, FIRST + (behind - 1) * CATCH) if behind > 2 else None,
+                draft_s = first + (k - 1) * per + max(behind - 1, 0) * catch
+                out = StepOutcome(k, a, per if k > 1 else None, verify(k + 1), 0.0, draft_s=draft_s,
+                                  first_token_s=first if behind <= 2 else None,
+                                  catchup=(behind, first + (behind - 1) * catch) if behind > 2 else None,
                                   drafter=name)
                 behind = 1
             else:
@@ -73,17 +83,22 @@ def answers(auto: bool, seed: int, n_answers: int = 3, n_tokens: int = 150) -> t
     return times, model_steps, c
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_auto_beside_a_useless_draft_keeps_within_5_percent_of_ngrams_alone(seed):
+def test_auto_beside_a_useless_draft_keeps_within_5_percent_of_ngrams_alone():
     """Before, a drafter on thin evidence was tried in the best one's place every other step whatever it cost:
     the useless model displaced nine long n-gram steps in the first answer (auto 0.85-0.92x n-grams alone over
-    three answers). Priced against the n-gram tokens it displaces and paid from the exploration budget, it is
-    tried a few times (the model's estimate can still come back) and auto keeps up with n-grams alone."""
-    auto_s, model_steps, c = answers(True, seed)
-    alone_s, _, _ = answers(False, seed)
-    assert sum(alone_s) / sum(auto_s) >= 0.95, (auto_s, alone_s, model_steps)
-    assert model_steps[0] <= 4 and sum(model_steps) <= 8, model_steps
-    assert c.shared.budget.n_refused > 0  # the mechanism ran: the budget held tries back
+    three answers). Priced against the n-gram tokens it displaces and paid from the exploration budget (a share of
+    the run's own pace), it is tried a few times (the model's estimate can still come back) and auto keeps up with
+    n-grams alone: the median of five texts at least 0.95x, none below 0.93x."""
+    ratios, first_answer, refused = [], [], []
+    for seed in range(5):
+        auto_s, model_steps, c = answers(True, seed)
+        alone_s, _, _ = answers(False, seed)
+        ratios.append(sum(alone_s) / sum(auto_s))
+        first_answer.append(model_steps[0])
+        refused.append(c.shared.budget.n_refused)
+    assert sorted(ratios)[2] >= 0.95 and min(ratios) >= 0.93, ratios
+    assert max(first_answer) <= 4, first_answer
+    assert min(refused) > 0  # the mechanism ran: the budget held tries back
 
 
 def test_an_exploration_that_gains_pays_back_into_the_budget():
@@ -94,3 +109,43 @@ def test_an_exploration_that_gains_pays_back_into_the_budget():
     c.observe(StepOutcome(4, 4, 0.001, 0.030, 0.0, draft_s=0.004, first_token_s=0.001, drafter="model"))
     assert c.shared.budget.spent_s == pytest.approx(0.034 - 5 * 0.010)
     assert c.exploring is None and c.behind == {"model": 0, "ngram": 5}
+
+
+def copy_text(n_answers: int = 3, seed: int = 0) -> np.ndarray:
+    """Where an edited file's text has an n-gram match: each answer opens with a few tokens of its own, then copies
+    stretches of 20-60 tokens with a 2-6-token edit between them."""
+    rng = np.random.default_rng(seed + 7)
+    out = np.zeros(n_answers * 1000, dtype=bool)
+    for ans in range(n_answers):
+        at = ans * 1000 + 4
+        while at < ans * 1000 + 1000:
+            n = int(rng.integers(20, 61))
+            out[at:at + n] = True
+            at += n + int(rng.integers(2, 7))
+    return out
+
+
+def _copy_edit_ratios() -> list[float]:
+    """n-grams alone ÷ auto in time, over five copied texts with the good draft, sorted."""
+    out = []
+    for seed in range(5):
+        match = copy_text(seed=seed)
+        auto_s, _, _ = answers(True, seed, good=True, match=match)
+        alone_s, _, _ = answers(False, seed, good=True, match=match)
+        out.append(sum(alone_s) / sum(auto_s))
+    return sorted(out)
+
+
+def test_beside_ngrams_copying_a_good_model_does_not_pay_a_long_catch_up_for_a_few_tokens(monkeypatch):
+    """Copy-editing with the demo pair's good draft: n-grams copy the file's stretches, the model could draft at
+    each edit, but only after a catch-up on the whole stretch copied since its last draft (a prefill of the draft).
+    Priced with that catch-up spread over the tokens its runs last (here a step or two before n-grams take over
+    again), it mostly sits out the short edits; spread over the rest of the answer, as if the model would run on,
+    it paid the catch-up at nearly every edit and auto lost about a fifth to n-grams alone."""
+    _, _, c = answers(True, 0, good=True, match=copy_text(seed=0))
+    assert c.run_mean["model"] is not None and c.run_mean["model"] < 20  # the runs were measured: short
+    runs = _copy_edit_ratios()
+    assert runs[2] >= 0.93 and runs[0] >= 0.88, runs
+    monkeypatch.setattr(AdaptiveDrafters, "_end_run", lambda self, name: None)  # no run measured: the rest
+    rest = _copy_edit_ratios()
+    assert rest[2] < runs[2] - 0.1, (rest, runs)

@@ -272,3 +272,21 @@ def test_a_prefills_timed_draft_batches_stay_batches_under_auto():
     assert model.draft_rows == {5: 0.025} and model.t_first is None
     c.calibrate(600, 0.030, 0.006)
     assert model.t_first == pytest.approx(0.006)
+
+
+def test_the_draft_models_read_of_the_prompt_prices_its_catch_up(tiny_target, tiny_close):
+    """Before any catch-up is measured, the draft's price per token of one comes from its read of the prompt (a
+    catch-up without a first drafted token), not from a prior scaled from the target's batches."""
+    clock = SimulatedClock(cpu_like_costs(target_one_ms=10.0, draft_ms=3.0))
+    with Engine(tiny_target, tiny_close, ctx=1024, threads=1, clock=clock) as e:
+        ses = e.session()
+        it = iter(ses.generate(e.tokenize("def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + "
+                                          "fibonacci(n - 2) # the classic, slow and recursive" * 2),
+                               GenerationSettings(n_predict=8, drafter="auto")))
+        next(it), next(it)  # the first token, then the read of the prompt and a step
+        pos, n, seconds = ses.read_timing
+        model = ses.controller(GenerationSettings(n_predict=8, drafter="auto")).per["model"]
+        assert n >= 16 and model.n_catchups == 0
+        assert model.catchup_s() == pytest.approx(seconds / n)
+        assert seconds / n == pytest.approx((3.0 + 0.3 * (n - 1)) / 1e3 / n)  # one decode of the n tokens
+        it.close()

@@ -9,6 +9,8 @@ from .explore import ProbeSchedule, doubled
 from .length import AdaptiveDraft, AdaptiveSnapshot
 from .step import Choice, StepOutcome
 
+RUN_EMA = 0.3  # the weight of a drafter's latest run of steps in its runs' mean length (AdaptiveDrafters._owed)
+
 
 class AdaptiveDrafters:
     """--drafter auto: each step, the drafter (or plain decoding) and the length with the most expected tokens
@@ -40,6 +42,8 @@ class AdaptiveDrafters:
         self.n_probes = 0
         self.last_used = {name: 0 for name in self.per}
         self.behind = {name: 0 for name in self.per}  # tokens emitted since each drafter last drafted
+        self.run = {name: 0 for name in self.per}  # tokens each drafter emitted in its current run of steps
+        self.run_mean: dict[str, float | None] = {name: None for name in self.per}  # its runs' decayed mean
         self.exploring: tuple[str, float] | None = None  # (drafter, the displaced pace in s a token): being tried
         self.explore_interval = {name: probe_min for name in self.per}  # see _explore
         self.n_steps = 0
@@ -60,10 +64,19 @@ class AdaptiveDrafters:
         if draft_token_s is not None and self.model in self.per:
             self.per[self.model].calibrate(n_ctx, target_s, draft_token_s, n_tokens)
 
+    def calibrate_catchup(self, n_ctx: int, n: int, seconds: float) -> None:
+        """The draft model's prompt read (AdaptiveDraft.calibrate_catchup), for its drafter."""
+        if self.model in self.per:
+            self.per[self.model].calibrate_catchup(n_ctx, n, seconds)
+
     def new_answer(self) -> None:
-        """A generation starts (AdaptiveDraft.new_answer), for every drafter."""
+        """A generation starts (AdaptiveDraft.new_answer), for every drafter; a drafter with a memory reads the
+        prompt in its prefill, so none is behind."""
         for c in self.per.values():
             c.new_answer()
+        self.behind = dict.fromkeys(self.behind, 0)
+        for name in self.run:
+            self._end_run(name)
 
     def wants_agreement(self) -> bool:
         """Whether the draft model's prompt agreement would inform the next choice (AdaptiveDraft's)."""
@@ -99,6 +112,25 @@ class AdaptiveDrafters:
         """A drafter's best (k, tokens/s) within `limit` and its reach, on the shared verify cost and overhead."""
         return self.per[name].near_best(min(limit, self.cap), self.shared.overhead, per_token)
 
+    def _owed(self, name: str) -> float:
+        """Seconds a token: the catch-up a drafter with a memory of the text owes on what others emitted since it
+        last drafted, spread over the tokens it is expected to emit before it falls behind again (its runs' mean
+        length, at most the tokens still to come). A catch-up is a prefill of the draft (after a long n-gram copy
+        114 tokens cost the demo draft 0.35 s, 14 plain tokens): in copied text, where the model drafts a step at
+        each edit before n-grams take over again, it rarely pays; in free text, where the model runs on, it does."""
+        if name in self.memoryless or self.behind[name] == 0:
+            return 0.0
+        mean = self.run_mean[name]
+        horizon = self.shared.remaining if mean is None else min(mean, self.shared.remaining)
+        return self.behind[name] * self.per[name].catchup_s() / max(horizon, 1)
+
+    def _end_run(self, name: str) -> None:
+        """A drafter's run of steps ended (another drafted, plain decoding, the answer's end): its length counts."""
+        n, self.run[name] = self.run[name], 0
+        if n:
+            mean = self.run_mean[name]
+            self.run_mean[name] = float(n) if mean is None else mean + RUN_EMA * (n - mean)
+
     def choose(self, limits: dict[str, int]) -> Choice:
         """The drafter and draft length for the next step (Choice(None, 0): plain decoding); limits: the most each
         available drafter may draft now (an n-gram proposal is only as long as what followed its match).
@@ -106,10 +138,13 @@ class AdaptiveDrafters:
         A drafter with a memory of the text (a draft model, an MTP head) must later decode every token emitted
         without it: while it would beat plain decoding, each token another drafter or plain decoding emits is
         charged its catch-up cost (catchup_s), so that a cheap n-gram step is not taken for free when it only
-        moves work to the model's next step."""
+        moves work to the model's next step. Its own price carries the catch-up it owes so far, spread over the
+        tokens to come (_owed): near an answer's end, after a long copy, it loses to plain decoding and nothing more
+        is charged."""
         self.n_steps += 1
         sh = self.shared
-        own = {name: self._best(name, limit) for name, limit in limits.items() if limit > 0}
+        owed = {name: self._owed(name) for name, limit in limits.items() if limit > 0}
+        own = {name: self._best(name, limits[name], owed[name]) for name in owed}
         plain = 1.0 / (sh.verify_s(1) + sh.overhead)
         # the drafters that would be used (they beat plain decoding) and keep a memory to catch up
         keep = {n: self.per[n].catchup_s() for n, (k, r) in own.items()
@@ -118,7 +153,7 @@ class AdaptiveDrafters:
         for name, (k, rate) in own.items():
             charge = sum(v for n, v in keep.items() if n != name)
             if charge > 0 and k > 0:
-                k, rate = self._best(name, limits[name], per_token=charge)
+                k, rate = self._best(name, limits[name], per_token=charge + owed[name])
             if k > 0 and rate > best_rate:
                 best, best_k, best_rate = name, k, rate
         if keep:
@@ -197,8 +232,12 @@ class AdaptiveDrafters:
             # an exploration's measured loss against the displaced drafter's tokens (a gain pays back)
             self.shared.budget.spent_s += step.step_s - (step.expected_accepted + 1) * explored[1]
         for name in self.behind:
-            drafted = name == step.drafter and step.n_drafted
-            self.behind[name] = 0 if drafted else self.behind[name] + step.n_accepted + 1
+            if name == step.drafter and step.n_drafted:
+                self.behind[name] = 0
+                self.run[name] += step.n_accepted + 1
+            else:
+                self.behind[name] += step.n_accepted + 1
+                self._end_run(name)
 
     def snapshot(self, limit: int | None = None) -> AdaptiveSnapshot:
         """The snapshot of the drafter chosen most often (costs and plain steps as measured for all)."""

@@ -243,6 +243,13 @@ class DraftCosts(Banded[DraftBand]):
         if first_token_s is not None:
             c.t_first = running_mean(c.t_first, first_token_s, self.ema)
 
+    def calibrate_catchup(self, n_ctx: int, n: int, seconds: float) -> None:
+        """Seed n_ctx's band with a read of n tokens that took `seconds` (a prompt read: a catch-up without a first
+        drafted token), where no catch-up was measured there yet."""
+        c = self._band(ctx_band(n_ctx))
+        if c.t_catchup is None:
+            c.t_catchup = seconds / n
+
     def observe_catchup(self, n: int, seconds: float) -> None:
         """A long catch-up of n tokens and the first drafted token together took `seconds`."""
         c = self.band

@@ -273,6 +273,8 @@ class Generation:
         timed = ses.prefill_reader()
         for pos, n, target_s, draft_s in timed:  # the reader's timing prices only a reader this generation drafts with
             ctrl.calibrate(pos, target_s, draft_s if reader is not None else None, n)
+        if ctrl is not None and reader is not None and ses.read_timing is not None:
+            ctrl.calibrate_catchup(*ses.read_timing)
         agreement = ses.agreement
         if self._trial and agreement is not None:
             ctrl.at(len(ses.history))

@@ -17,6 +17,8 @@ from .memory import Memory, common_prefix
 from .sampling import Sampling, Transform, restrict
 from .settings import AGREE_MIN, GenerationSettings
 
+READ_TIMED_MIN = 16  # a read of the prompt this long or longer prices the reader's catch-up (Session.read_timing)
+
 if TYPE_CHECKING:
     from ..control.chooser import AdaptiveDrafters
     from ..control.length import AdaptiveDraft
@@ -77,6 +79,8 @@ class Session:
         # the drafter with a memory of the prompt (a draft model), which prefill fills, times and compares
         self.reader = next((d for d in self.drafters.values() if d.reads_prompt), None)
         self.agreement: Agreement | None = None  # the last prefill's (see prefill's agree)
+        # the last prefill's longest read of the prompt by the reader: (context, tokens, seconds), a catch-up's cost
+        self.read_timing: tuple[int, int, float] | None = None
         self._pending = None  # prefill_target's work for prefill_reader
         self.reset()
 
@@ -273,17 +277,26 @@ class Session:
         if pending is None:
             return []
         reader, out = self.reader, []
+        self.read_timing = None
         for span, got in pending:
             if reader is not None:
-                reader.read_to(span.pos)
+                self._read(span.pos)
             if span.agree:
                 self._agree_reader(span.pos, got)
             else:
                 draft_s = reader.time_span(span.pos, span.n) if reader is not None else None
                 out.append(Timing(span.pos, span.n, got, draft_s))
         if reader is not None:
-            reader.read_to(len(self.history) - 1)  # all but the last token, as the target (a first token too)
+            self._read(len(self.history) - 1)  # all but the last token, as the target (a first token too)
         return out
+
+    def _read(self, pos: int) -> None:
+        """The reader reads the prompt up to pos; the longest such read is timed (read_timing)."""
+        clock = self.engine.clock
+        t0 = clock()
+        n = self.reader.read_to(pos)
+        if n >= READ_TIMED_MIN and (self.read_timing is None or n > self.read_timing[1]):
+            self.read_timing = (pos, n, clock() - t0)
 
     def drop_reader_prefill(self) -> None:
         """The reader will not read the prompt now (prefill_reader skipped): it catches up when it drafts."""

@@ -148,10 +148,12 @@ class ModelDrafter(Drafter):
         self.memory.clear()
 
     # ---- prefill: the prompt on the draft's memory (Session.prefill) --------------------------------------
-    def read_to(self, pos: int) -> None:
-        """Evaluate the history up to (not including) pos."""
+    def read_to(self, pos: int) -> int:
+        """Evaluate the history up to (not including) pos; the tokens decoded."""
         self.fit(pos + 1)
-        self.memory.extend(self.session.history[self.memory.next_index():pos], logits="none")
+        todo = self.session.history[self.memory.next_index():pos]
+        self.memory.extend(todo, logits="none")
+        return len(todo)
 
     def time_span(self, pos: int, n: int = 1) -> float | None:
         """Decode history[pos:pos+n] as one batch and time it, where the memory stands there (None otherwise)."""
