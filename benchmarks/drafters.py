@@ -1,6 +1,6 @@
 """Drafters against the target alone: model, ngram, model+ngram and auto (and mtp on a target with an MTP head).
 
-    python benchmarks/drafters.py [--sets general,copy] [--n-predict 256] [--repeat 3] [--threads 2]
+    python benchmarks/drafters.py [--sets general,copy,copy_edit] [--modes ngram,auto] [--n-predict 256] [--repeat 3] [--threads 2]
         [--draft-max auto] [--limit-prompts N] [--target T.gguf --draft D.gguf | --no-draft | --draft-layers N]
         [--temp T] [--out results.json]
 
@@ -9,6 +9,8 @@ the target's own first N blocks (embeddings and output kept; adaptive.first_laye
 vocabulary, which auto must leave alone. Prompt sets:
   general: the built-in prompt set (code, chat, reasoning, Chinese, a long-document summary)
   copy:    benchmarks/prompts/copy_heavy.jsonl, editing and summarising tasks whose answers copy from the prompt
+  copy_edit: benchmarks/prompts/copy_edit.jsonl, whole functions of 10-40 lines returned with one small change
+`--draft-layers N --cut-draft`: the draft given (or the demo's Q4_1) keeps only its first N blocks instead.
 Each prompt runs as one chat turn. Within a repeat, every prompt runs every mode, target alone included, in an
 order that rotates with the repeat (alternating runs); each mode keeps one session for the whole benchmark, so
 the adaptive controller (draft-max auto, drafter auto) keeps what it learned across prompts, as in chat. A mode's
@@ -40,7 +42,8 @@ from specq.native.core.engine import Engine
 from specq.native.core.settings import GenerationSettings
 
 HERE = Path(__file__).parent
-SETS = {"general": None, "copy": HERE / "prompts" / "copy_heavy.jsonl"}
+SETS = {"general": None, "copy": HERE / "prompts" / "copy_heavy.jsonl",
+        "copy_edit": HERE / "prompts" / "copy_edit.jsonl"}
 
 
 def machine() -> dict:
@@ -122,6 +125,8 @@ def main() -> None:
     ap.add_argument("--draft", help="draft GGUF (default: the demo pair's, with the demo target)")
     ap.add_argument("--no-draft", action="store_true", help="no draft model: ngram, mtp and auto only")
     ap.add_argument("--draft-layers", type=int, default=0, help="the draft: the target's first N blocks (useless)")
+    ap.add_argument("--modes", help="only these drafter modes (comma list; the target alone always runs)")
+    ap.add_argument("--cut-draft", action="store_true", help="--draft-layers cuts the draft, not the target")
     ap.add_argument("--temp", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ngl", type=int, default=None)
@@ -139,16 +144,20 @@ def main() -> None:
         from adaptive import first_layers
         from specq.native.commands.demo import cache_dir
 
-        draft = first_layers(target, cache_dir() / f"{target.stem}-first{a.draft_layers}.gguf", a.draft_layers)
+        src = draft if a.cut_draft else target
+        draft = first_layers(src, cache_dir() / f"{src.stem}-first{a.draft_layers}.gguf", a.draft_layers)
     ngl = placement.default_ngl() if a.ngl is None else a.ngl
     ngl_draft = placement.default_ngl() if a.ngl_draft is None else a.ngl_draft
     doc = {"machine": machine(), "command": " ".join(["python", "benchmarks/drafters.py", *sys.argv[1:]]),
            "target": target.name, "draft": draft.name if draft else None, "n_predict": a.n_predict,
            "repeat": a.repeat, "draft_max": a.draft_max, "temp": a.temp, "draft_layers": a.draft_layers,
+           "cut_draft": a.cut_draft,
            "sets": []}
     with Engine(target, draft, ctx=a.ctx, threads=a.threads, ngl=ngl, ngl_draft=ngl_draft, mtp=None) as eng:
         doc["target_has_mtp"] = eng.mtp_ctx is not None
         modes = modes_for(draft is not None, eng.mtp_ctx is not None)
+        if a.modes:
+            modes = ["baseline"] + [m for m in modes if m in a.modes.split(",") and m != "baseline"]
         for set_name in a.sets.split(","):
             res = run_set(eng, set_name, modes, a)
             doc["sets"].append(res)
