@@ -44,7 +44,7 @@ def answers(auto: bool, seed: int, n_answers: int = 3, n_tokens: int = 150, good
         c.new_answer()
         if auto:  # the prefill's calibration and the draft's prompt agreement, as Generation gives them
             c.calibrate(200, PLAIN, first)
-            c.calibrate_catchup(200, 150, 150 * catch)  # the draft model's read of the prompt
+            c.per["model"].draft.calibrate_catchup(200, 150, 150 * catch)  # the draft model's read of the prompt
             if c.wants_agreement():
                 c.seed_acceptance(32 * GOOD["alpha"] if good else 0, 32)
         behind, tokens, t, n_model = 1, 0, 0.0, 0

@@ -64,11 +64,6 @@ class AdaptiveDrafters:
         if draft_token_s is not None and self.model in self.per:
             self.per[self.model].calibrate(n_ctx, target_s, draft_token_s, n_tokens)
 
-    def calibrate_catchup(self, n_ctx: int, n: int, seconds: float) -> None:
-        """The draft model's prompt read (AdaptiveDraft.calibrate_catchup), for its drafter."""
-        if self.model in self.per:
-            self.per[self.model].calibrate_catchup(n_ctx, n, seconds)
-
     def new_answer(self) -> None:
         """A generation starts (AdaptiveDraft.new_answer), for every drafter; a drafter with a memory reads the
         prompt in its prefill, so none is behind."""

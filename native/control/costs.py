@@ -245,7 +245,8 @@ class DraftCosts(Banded[DraftBand]):
 
     def calibrate_catchup(self, n_ctx: int, n: int, seconds: float) -> None:
         """Seed n_ctx's band with a read of n tokens that took `seconds` (a prompt read: a catch-up without a first
-        drafted token), where no catch-up was measured there yet."""
+        drafted token), where no catch-up was measured there yet: until then the prior above, scaled from the
+        target's batches, missed the demo draft's catch-up by 5x."""
         c = self._band(ctx_band(n_ctx))
         if c.t_catchup is None:
             c.t_catchup = seconds / n

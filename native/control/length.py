@@ -115,11 +115,6 @@ class AdaptiveDraft:
             self.draft.calibrate(n_ctx, draft_token_s)
         self.n_calibrations += 1
 
-    def calibrate_catchup(self, n_ctx: int, n: int, seconds: float) -> None:
-        """The drafter read n tokens of a prompt at n_ctx in `seconds`: the price of its catch-up until one is
-        measured (the prior, scaled from the target's batches, missed the demo draft's by 5x)."""
-        self.draft.calibrate_catchup(n_ctx, n, seconds)
-
     # Views of the current band (tune, tests).
     @property
     def t_draft(self) -> float | None:

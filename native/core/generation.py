@@ -273,12 +273,12 @@ class Generation:
         timed = ses.prefill_reader()
         for pos, n, target_s, draft_s in timed:  # the reader's timing prices only a reader this generation drafts with
             ctrl.calibrate(pos, target_s, draft_s if reader is not None else None, n)
-        if ctrl is not None and reader is not None and ses.read_timing is not None:
-            ctrl.calibrate_catchup(*ses.read_timing)
+        own = ctrl.per[reader.name] if isinstance(ctrl, AdaptiveDrafters) and reader is not None else ctrl
+        if own is not None and reader is not None and ses.read_timing is not None:
+            own.draft.calibrate_catchup(*ses.read_timing)  # its catch-up's price until one is measured
         agreement = ses.agreement
         if self._trial and agreement is not None:
             ctrl.at(len(ses.history))
-            own = ctrl.per[reader.name] if isinstance(ctrl, AdaptiveDrafters) else ctrl
             agreement = reader.trial.try_window(own, self._overhead()) or agreement
         if self._wants and agreement is not None:
             ctrl.seed_acceptance(*agreement)
