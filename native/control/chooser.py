@@ -42,8 +42,9 @@ class AdaptiveDrafters:
         self.n_probes = 0
         self.last_used = {name: 0 for name in self.per}
         self.behind = {name: 0 for name in self.per}  # tokens emitted since each drafter last drafted
-        self.run = {name: 0 for name in self.per}  # tokens each drafter emitted in its current run of steps
-        self.run_mean: dict[str, float | None] = {name: None for name in self.per}  # its runs' decayed mean
+        # drafters with a memory: the tokens each emitted in its current run of steps, and its runs' decayed mean
+        self.run = {name: 0 for name in self.per if name not in self.memoryless}
+        self.run_mean: dict[str, float | None] = dict.fromkeys(self.run)
         self.exploring: tuple[str, float] | None = None  # (drafter, the displaced pace in s a token): being tried
         self.explore_interval = {name: probe_min for name in self.per}  # see _explore
         self.n_steps = 0
@@ -229,10 +230,12 @@ class AdaptiveDrafters:
         for name in self.behind:
             if name == step.drafter and step.n_drafted:
                 self.behind[name] = 0
-                self.run[name] += step.n_accepted + 1
+                if name in self.run:
+                    self.run[name] += step.n_accepted + 1
             else:
                 self.behind[name] += step.n_accepted + 1
-                self._end_run(name)
+                if name in self.run:
+                    self._end_run(name)
 
     def snapshot(self, limit: int | None = None) -> AdaptiveSnapshot:
         """The snapshot of the drafter chosen most often (costs and plain steps as measured for all)."""
