@@ -160,7 +160,7 @@ def test_one_answers_poor_opening_does_not_send_it_plain(monkeypatch):
     # draft and the answer went plain for 7-17 steps (the demo pair at T 1.0: 365 plain steps in 1215).
     assert max(poor_opening(s) for s in range(6)) <= 2
 
-    def all_counts(self, keep: float) -> None:
+    def all_counts(self, keep: float, first: float = 1.0) -> None:
         self.succ = [x * keep for x in self.succ]
         self.trials = [x * keep for x in self.trials]
 

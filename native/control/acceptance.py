@@ -61,10 +61,13 @@ class Acceptance:
             self.succ[0] += SEED_WEIGHT * n_agree
             self.n_seeds += 1
 
-    def new_text(self, keep: float) -> None:
-        """A new answer: what earlier answers taught of positions ≥ 2 weighs `keep` of what it did (their rate
-        stays the prior's centre). Position 1 and `tried` stay whole: one answer's bad opening must not read as
-        a useless draft."""
+    def new_text(self, keep: float, first: float = 1.0) -> None:
+        """A new answer: what earlier answers taught of positions ≥ 2 weighs `keep` of what it did, position 1
+        `first` of it (their rate stays the prior's centre). `tried` stays whole: one answer's bad opening must not
+        read as a useless draft. A draft model keeps position 1 whole (its agreement with the target is the
+        pair's); a drafter that copies from the text weakens it (a new prompt is a new text to copy from)."""
+        self.succ[0] *= first
+        self.trials[0] *= first
         self.succ[1:] = [x * keep for x in self.succ[1:]]
         self.trials[1:] = [x * keep for x in self.trials[1:]]
 

@@ -188,11 +188,12 @@ class AdaptiveDraft:
         target). Evidence stays thin until drafts are tried (thin_evidence)."""
         self.acceptance.seed(n_agree, n)
 
-    def new_answer(self) -> None:
+    def new_answer(self, copies: bool = False) -> None:
         """A generation starts: acceptance learnt on earlier answers at positions ≥ 2 counts for NEW_ANSWER_KEEP
         of itself. Carried over whole, one answer's near-perfect acceptance sends the next one's first drafts long,
-        to fail early; weakened, the reach bounds the opening. Position 1 stays whole (Acceptance.new_text)."""
-        self.acceptance.new_text(NEW_ANSWER_KEEP)
+        to fail early; weakened, the reach bounds the opening. Position 1 stays whole unless the drafter `copies`
+        from the text (Acceptance.new_text)."""
+        self.acceptance.new_text(NEW_ANSWER_KEEP, NEW_ANSWER_KEEP if copies else 1.0)
 
     def thin_evidence(self) -> bool:
         """Whether too few drafts were tried yet for plain decoding to be a verdict (see min_evidence)."""
