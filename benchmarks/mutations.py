@@ -75,7 +75,7 @@ MUTANTS = [
            (("native/core/generation.py", "if is_eog:\n                return events, \"eog\"",
              "if False:\n                return events, \"eog\""),)),
     Mutant("draft-min-ignored", "--draft-min never drops a short draft",
-           (("native/core/session.py", "if len(drafts) < s.draft_min:", "if False:"),)),
+           (("native/core/step.py", "keep = n >= a.settings.draft_min", "keep = True"),)),
     Mutant("per-pos-exactly", "accepted_per_pos counts steps accepting exactly i+1, not at least i+1",
            (("native/core/accept.py", "at_least = np.cumsum(counts[::-1])[::-1]", "at_least = counts"),)),
     Mutant("record-after-decode", "tokens recorded after llama_decode returns, and truncate trusts the list "
@@ -99,14 +99,16 @@ MUTANTS = [
     Mutant("count-emitted-only", "a step counts as drafted only the positions up to its first rejection, not every "
                                  "draft token verified (accept_rate became the per-position α)",
            (("native/core/stats.py", "        if n_kept < len(step.emitted):\n", "        if True:\n"),)),
-    Mutant("controller-peeks", "the step's outcome seen before choosing: a step whose first draft was rejected is "
-                               "taken back and decoded plain (the draft length chosen after the verify)",
-           (("native/core/generation.py",
-             "                step = self.session._step(self.settings, self._samp, *plan)\n",
-             "                step = self.session._step(self.settings, self._samp, *plan)\n"
-             "                if step.n_drafted and len(step.emitted) == 1:\n"
-             "                    self.session._rewind()\n"
-             "                    step = self.session._step(self.settings, self._samp, 0, ())\n"),)),
+    Mutant("controller-peeks", "the step's outcome seen before choosing: a sequence whose first draft was rejected "
+                               "has its step taken back and decoded plain (the draft length chosen after the verify)",
+           (("native/core/step.py",
+             "    logprobs = [logprobs_of(a.session, e, a.settings) for a, (e, _) in zip(asks, accepted)]\n",
+             "    if any(d and len(e) == 1 for d, (e, _) in zip(drafts, accepted)):\n"
+             "        for a in asks:\n"
+             "            a.session.rewind()\n"
+             "        return step([Ask(a.session, a.settings, a.samp, 0, ()) if d and len(e) == 1 else a\n"
+             "                     for a, d, (e, _) in zip(asks, drafts, accepted)])\n"
+             "    logprobs = [logprobs_of(a.session, e, a.settings) for a, (e, _) in zip(asks, accepted)]\n"),)),
     Mutant("mtp-pairing", "the MTP head fed token k with the trunk's hidden state h_{k-2} instead of h_{k-1}",
            (("native/drafters/mtp.py", "            rows = self.rows.take(m - 1, upto - 1)\n",
              "            rows = np.roll(self.rows.take(m - 1, upto - 1), 1, axis=0)\n"),)),

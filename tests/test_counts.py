@@ -1,6 +1,6 @@
 """Draft counts: every draft token the target verified counts as drafted (llama.cpp's n_drafted), except past the
 point where the generation ended inside a step; accept_rate = accepted ÷ drafted, alpha = accepted ÷ positions
-reached. The expected counts come from each step as the target verified it (a spy on Session._step), not from
+reached. The expected counts come from each step as the target verified it (a spy on the speculative step, core/step.py), not from
 the counting code."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from specq.native.core.engine import Engine
 from specq.native.core.settings import GenerationSettings
-from specq.native.core.session import Session
+from specq.native.core import step as speculative
 from tinymodels import write_tiny_gguf
 
 PROMPT = "def fibonacci(n):"
@@ -25,15 +25,15 @@ def tiny_contrary(models_dir, tiny_target):
 
 @pytest.fixture
 def steps_seen(monkeypatch):
-    """Each step's (tokens drafted and verified, tokens emitted), as Session._step returned it."""
-    seen, real = [], Session._step
+    """Each step's (tokens drafted and verified, tokens emitted), as the speculative step returned it."""
+    seen, real = [], speculative.step
 
-    def spy(self, *args, **kwargs):
-        step = real(self, *args, **kwargs)
-        seen.append((step.n_drafted, len(step.emitted)))
-        return step
+    def spy(asks):
+        steps = real(asks)
+        seen.extend((s.n_drafted, len(s.emitted)) for s in steps)
+        return steps
 
-    monkeypatch.setattr(Session, "_step", spy)
+    monkeypatch.setattr(speculative, "step", spy)
     return seen
 
 

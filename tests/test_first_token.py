@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from specq.native.core import step as speculative
 from specq.native.core.engine import Engine, SimulatedClock
 from specq.native.core.settings import GenerationSettings
 
@@ -40,13 +41,16 @@ def test_the_reader_reads_the_whole_prompt_before_the_first_speculative_step(tin
         toks = e.tokenize(PROMPT)
         ses = e.session()
         seen = []
-        real = ses._step
+        real = speculative.step
 
-        def spy(s, samp, n_draft_max, drafters=None):
-            if n_draft_max > 0 and not seen:
+        def spy(asks):
+            if asks[0].n_draft_max > 0 and not seen:
                 seen.append(len(ses.history) - ses.dft.next_index())
-            return real(s, samp, n_draft_max, drafters)
+            return real(asks)
 
-        ses._step = spy
-        g = ses.generate(toks, GenerationSettings(n_predict=16, draft_max=4)).run()
+        speculative.step = spy
+        try:
+            g = ses.generate(toks, GenerationSettings(n_predict=16, draft_max=4)).run()
+        finally:
+            speculative.step = real
     assert seen == [1] and g.stats.n_drafted > 0

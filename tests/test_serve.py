@@ -93,17 +93,17 @@ def test_metrics_count_every_draft_token_the_target_verified(server, tiny_target
     verified. The reference: the same request run in this process, with each step's verified drafts summed."""
     from specq.native.core.engine import Engine
     from specq.native.core.settings import GenerationSettings
-    from specq.native.core.session import Session
+    from specq.native.core import step as speculative
 
     prompt, n = PROMPTS[2], 40
-    verified, real = [], Session._step
+    verified, real = [], speculative.step
 
-    def spy(self, *args, **kwargs):
-        step = real(self, *args, **kwargs)
-        verified.append(step.n_drafted)
-        return step
+    def spy(asks):
+        steps = real(asks)
+        verified.extend(s.n_drafted for s in steps)
+        return steps
 
-    monkeypatch.setattr(Session, "_step", spy)
+    monkeypatch.setattr(speculative, "step", spy)
     with Engine(tiny_target, tiny_close, ctx=4096, threads=1) as e:
         g = e.session().generate(e.tokenize(prompt), GenerationSettings(n_predict=n, draft_max=4)).run()
     assert g.stats.stop_reason == "n_predict" and g.stats.n_accepted < sum(verified)  # some drafts rejected

@@ -183,7 +183,7 @@ def test_max_queue_counts_the_requests_waiting_for_a_free_sequence(tiny_target):
     from specq.native.core.settings import GenerationSettings
     from specq.native.serving.metrics import ServerMetrics
     from specq.native.serving.scheduler import Scheduler
-    from specq.native.serving.worker import Job, QueueFull
+    from specq.native.serving.request import Job, QueueFull
 
     with Engine(tiny_target, ctx=128, threads=1, parallel=2) as e:
         w = Scheduler(e, ServerMetrics(), max_queue=1)

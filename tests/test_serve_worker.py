@@ -15,7 +15,8 @@ from specq.native.core.engine import Engine  # noqa: E402
 from specq.native.core.settings import GenerationSettings  # noqa: E402
 from specq.native.serving.api import ApiError, Limits, parse_json, parse_request, settings_for  # noqa: E402
 from specq.native.serving.metrics import ServerMetrics  # noqa: E402
-from specq.native.serving.worker import Job, QueueFull, StopMatcher, Worker, reused_prefix  # noqa: E402
+from specq.native.serving.request import Job, QueueFull, StopMatcher, reused_prefix  # noqa: E402
+from specq.native.serving.scheduler import Scheduler  # noqa: E402
 
 LIMITS = Limits(max_tokens=256, model_id="target", draft=True)
 SETTINGS = GenerationSettings(n_predict=40, draft_max=4)
@@ -114,7 +115,7 @@ def running_worker(target, draft, ctx: int, max_queue: int):
     def own() -> None:
         try:
             eng = Engine(target, draft, ctx=ctx, threads=1)
-            box["worker"] = Worker(eng, ServerMetrics(), max_queue)
+            box["worker"] = Scheduler(eng, ServerMetrics(), max_queue)
         finally:
             ready.set()
         try:

@@ -19,7 +19,7 @@ from ..core.engine import Engine
 from ..core.generation import Generation
 from ..core.settings import GenerationSettings
 from ..core.stats import GenerationStats
-from ..drafters.registry import drafts_without_model
+from ..drafters.registry import speculates
 
 log = logging.getLogger("specq.bench")
 
@@ -43,7 +43,7 @@ class BenchConfig:
     @property
     def speculative(self) -> bool:
         """Whether there is anything to draft with: a draft model, or n-gram lookup alone."""
-        return self.engine.draft is not None or drafts_without_model(self.settings.drafters)
+        return speculates(self.engine, self.settings.drafters)
 
     def points(self) -> list[tuple[int, float]]:
         return list(self.sweep) or [(self.settings.draft_max, self.settings.p_min)]

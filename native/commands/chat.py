@@ -21,7 +21,7 @@ from ..core.config import EngineConfig
 from ..core.engine import Engine
 from ..core.settings import GenerationSettings
 from ..core.stats import GenerationStats, Rates, TokenEvent
-from ..drafters.registry import drafts_without_model
+from ..drafters.registry import speculates
 from ..serving.template import TemplateFormatter, load_template
 
 log = logging.getLogger("specq.chat")
@@ -216,7 +216,7 @@ class ChatSession:
         eos_text = tgt.token_text(tgt.eos).decode("utf-8", "replace") if tgt.eos >= 0 else ""
         self.formatter = TemplateFormatter(template, self._bos_text, eos_text)
         self.settings = settings.validate()
-        self.speculative = engine.draft is not None or drafts_without_model(self.settings.drafters)
+        self.speculative = speculates(engine, self.settings.drafters)
         self.system = check_text(system, "--system") if system else None
         self.session = engine.session()
         self.messages: list[dict] = []

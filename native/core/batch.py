@@ -1,101 +1,22 @@
-"""Several sequences' speculative steps as one (Engine(parallel=N), a Session per sequence).
-
-The step of each sequence is Session._step's, done for all of them together:
-1. **Draft**: each sequence's drafter list is tried in order, as `Session._propose` does; the sequences that
-   reach a drafter of the same kind draft together (`Drafter.propose_batch`: for a draft model, one decode per
-   draft position over the sequences still drafting).
-2. **Verify**: ONE target decode carries every sequence's `[last, d1..dn]` rows, logits at each.
-3. **Accept**: each sequence's own rule and sampling state on its own rows (`Session._accept`), before any
-   sequence rewinds (a hybrid target's rewind may decode again and replace the logits).
+"""Generations on several sequences of one engine (Engine(parallel=N), a Session each), stepped together: each
+step is core/step.py's one step over every live sequence, with the batch's draft lengths (control/batch_plan.py).
 The rewind is each generation's own (`Generation.take`), one sequence at a time (`seq_rm` on its sequence id).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..control.batch_plan import BatchPlanner, Wish
 from ..control.chooser import AdaptiveDrafters
-from ..drafters.base import Drafter, Proposal
-from .memory import extend_grouped, extend_many
-from .sampling import Sampling
-from .settings import GenerationSettings
+from .memory import extend_grouped
 from .stats import TokenEvent
+from . import step as speculative
+from .step import Ask
 
 if TYPE_CHECKING:
     from ..control.length import AdaptiveDraft
     from .generation import Generation
-    from .session import Session, StepResult
-
-
-@dataclass
-class Ask:
-    """One sequence's part of a batched step: what `Session._step` takes."""
-
-    session: Session
-    settings: GenerationSettings
-    samp: Sampling
-    n_draft_max: int
-    drafters: tuple[str, ...] | None = None
-
-
-def _propose_all(asks: list[Ask]) -> tuple[list[Proposal], list[str | None]]:
-    """Each sequence's proposal and its drafter's name: the first drafter of its list with a proposal (one that
-    drafts only on a match is passed over without); drafters of one kind propose together."""
-    props: list[Proposal] = [Proposal() for _ in asks]
-    names: list[str | None] = [None] * len(asks)
-    groups: dict[type, list[tuple[int, Drafter]]] = {}
-    for i, a in enumerate(asks):
-        ses = a.session
-        for name in (ses.available_drafters(a.settings) if a.drafters is None else a.drafters) \
-                if a.n_draft_max > 0 else ():
-            d = ses.drafters.get(name)
-            if d is None:
-                continue
-            if d.on_match_only:
-                prop = d.propose(a.n_draft_max, a.settings, a.samp)
-                if not prop.tokens:
-                    continue
-                props[i], names[i] = prop, name
-            else:
-                groups.setdefault(type(d), []).append((i, d))
-                names[i] = name
-            break
-    for cls, members in groups.items():
-        got = cls.propose_batch([(d, asks[i].n_draft_max, asks[i].settings, asks[i].samp) for i, d in members])
-        for (i, _), prop in zip(members, got):
-            props[i] = prop
-    return props, names
-
-
-def step_all(asks: list[Ask]) -> list[StepResult]:
-    """One speculative step of every sequence asked: their drafts, one verify decode for all, each one's
-    acceptance. Draft and verify times are the batch's, the same for each sequence."""
-    from .session import StepResult
-
-    clock = asks[0].session.engine.clock
-    t0 = clock()
-    props, names = _propose_all(asks)
-    drafts, dists = [], []
-    constrained = [a.samp.guide is not None and a.samp.guide.active for a in asks]
-    for a, prop, i in zip(asks, props, range(len(asks))):
-        n = a.samp.allowed_prefix(prop.tokens)  # cut at the first token a constraint forbids (an n-gram's)
-        keep = n >= a.settings.draft_min
-        drafts.append(prop.tokens[:n] if keep else [])
-        dists.append(prop.dists[:n] if keep else [])
-        if not keep:
-            names[i] = None
-    t1 = clock()
-    for a, d in zip(asks, drafts):
-        a.session.tgt.save_checkpoint(n_next=len(d) + 1)  # the verify is one decode; its first token stays
-    extend_many([(a.session.tgt, [a.session.history[-1]] + d, "all") for a, d in zip(asks, drafts)])
-    accepted = [a.session._accept(d, q, a.samp) for a, d, q in zip(asks, drafts, dists)]
-    logprobs = [a.session.logprobs_of(e, a.settings) for a, (e, _) in zip(asks, accepted)]
-    verify_s = clock() - t1
-    return [StepResult(e, len(d), t1 - t0, verify_s, p.first_token_s, p.token_s, drafter=n, catchup=p.catchup,
-                       acceptance=acc, logprobs=lp, shared=len(asks) > 1, constrained=c)
-            for (e, acc), d, p, n, lp, c in zip(accepted, drafts, props, names, logprobs, constrained)]
 
 
 def _length_controller(g: Generation, drafter: str | None) -> AdaptiveDraft | None:
@@ -141,6 +62,7 @@ class Batch:
         self.n_unprepared = 0  # joiners whose drafts were left alone
         self.n_lone_plain = 0  # steps of an unprepared sequence alone, kept plain (_alone)
         self.n_joined_prompts = 0  # prompts evaluated in one decode with another's (add_all)
+        self._stepped: list[Generation] = []  # the last step's generations, until delivered()
 
     def add(self, gen: Generation) -> None:
         """Evaluate a generation's prompt and make it live (add_all of one)."""
@@ -190,9 +112,10 @@ class Batch:
         self.live += started
         return failed
 
-    def step(self) -> list[tuple[Generation, list[TokenEvent]]]:
+    def step(self, read_now: bool = True) -> list[tuple[Generation, list[TokenEvent]]]:
         """One step of every live generation: (generation, its new tokens) each. A generation whose step ended it
-        (or that could not step: n_predict, a full context) leaves the batch with its stats final."""
+        (or that could not step: n_predict, a full context) leaves the batch with its stats final. `read_now`
+        False: the caller sends the tokens first, then calls delivered()."""
         out, going, plans = [], [], []
         for g in self.live:
             plan = g.plan()
@@ -213,7 +136,7 @@ class Batch:
                 plans = self._cap(going, wishes, plans)
             tgt = going[0].session.engine.tgt_ctx
             pads0 = tgt.n_padding_rows
-            results = step_all([Ask(g.session, g.settings, g.sampling, *plan) for g, plan in zip(going, plans)])
+            results = speculative.step([Ask(g.session, g.settings, g.sampling, *plan) for g, plan in zip(going, plans)])
             self.n_steps += 1
             self.most_in_a_step = max(self.most_in_a_step, len(going))
             out += [(g, g.take(r)) for g, r in zip(going, results)]
@@ -223,14 +146,23 @@ class Batch:
                 self.planner.observe(wishes, [x.n_drafted for x in results], [len(x.emitted) for x in results],
                                      r.draft_s, r.verify_s, clock() - t0 - r.draft_s - r.verify_s, loop_s,
                                      padding=tgt.n_padding_rows - pads0)
-            for g in going:  # a first token is out (or, here, ready): a prepared draft reads the prompt now
-                g.after_delivery(read=g.prepared or self.planner.drafting
-                                 or len(going) == 1 and not self.planner.settled_plain)
+            self._stepped = list(going)
             for g in going:
                 if g.ended:  # it leaves at once: its stats are final, its sequence free
                     self.live.remove(g)
                     g.conclude()
+            if read_now:
+                self.delivered()
         return out
+
+    def delivered(self) -> None:
+        """The last step's tokens are out (step(read_now=False): sent to the clients): a first token is out, so a
+        prepared draft reads its prompt now, off the path to that token (Generation.after_delivery)."""
+        going, self._stepped = self._stepped, []
+        for g in going:
+            if g in self.live:
+                g.after_delivery(read=g.prepared or self.planner.drafting
+                                 or len(going) == 1 and not self.planner.settled_plain)
 
     def _alone(self, g: Generation, plans: list) -> list:
         """A sequence stepping alone: its own plan, or plain decoding while its draft was never got ready and the

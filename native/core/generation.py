@@ -14,9 +14,11 @@ from .constraint import Guide
 from .sampling import Sampling
 from .settings import AGREE_TOKENS, GenerationSettings, WINDOW_PROBATION
 from .stats import GenerationStats, Progress, TokenEvent
+from . import step as speculative
+from .step import Ask, StepResult
 
 if TYPE_CHECKING:
-    from .session import Session, StepResult
+    from .session import Session
 
 
 def new_controller(ses: Session, s: GenerationSettings) -> AdaptiveDraft | AdaptiveDrafters:
@@ -33,6 +35,11 @@ def new_controller(ses: Session, s: GenerationSettings) -> AdaptiveDraft | Adapt
     # its share of the target's bytes (--drafter ngram with a draft model loaded is priced as the lookup it is)
     ratio = max(registry.cost_priors(eng, ses.available_drafters(s)).values(), default=0.01)
     return AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio, attention_prior=attention)
+
+
+def step_overhead(ctrl: AdaptiveDraft | AdaptiveDrafters) -> float:
+    """The per-step overhead a draft window's trial is priced with (--drafter auto: the one all drafters share)."""
+    return ctrl.shared.overhead if isinstance(ctrl, AdaptiveDrafters) else ctrl.overhead
 
 
 def reader_window(ses: Session) -> int | None:
@@ -128,11 +135,9 @@ class Generation:
         self.start()
         try:
             while (plan := self.plan()) is not None:
-                step = self.session._step(self.settings, self._samp, *plan)
-                events = self.take(step)
+                events = self.take(speculative.step([Ask(self.session, self.settings, self._samp, *plan)])[0])
                 yield from self._deliver(events)
                 self.after_delivery()
-            self._settle_window(finished=True)
         finally:
             self.conclude()
 
@@ -187,7 +192,7 @@ class Generation:
         if self.speculative:
             p.count_step(step, len(events))
         self._last = (step, len(events))
-        self.session._rewind()
+        self.session.rewind()
         if not self._first:
             self._observe(step, self._t_step)
         if done:
@@ -218,7 +223,10 @@ class Generation:
             self._p.count_step(step, n)
 
     def conclude(self) -> None:
-        """End the generation (also when interrupted): rewind, and the final stats."""
+        """End the generation (also when interrupted): settle a draft window on probation (given up where
+        interrupted), rewind, and the final stats."""
+        if self._stop != "interrupted":
+            self._settle_window(finished=True)
         self._end(self._stop, self._samp, self._utf8)
 
     def _remaining(self) -> int | None:
@@ -279,7 +287,7 @@ class Generation:
         agreement = ses.agreement
         if self._trial and agreement is not None:
             ctrl.at(len(ses.history))
-            agreement = reader.trial.try_window(own, self._overhead()) or agreement
+            agreement = reader.trial.try_window(own, step_overhead(self.controller)) or agreement
         if self._wants and agreement is not None:
             ctrl.seed_acceptance(*agreement)
         spent = self._clock() - t0
@@ -350,7 +358,7 @@ class Generation:
         reader = self.session.reader
         rows = reader.trial.on_probation() if reader is not None else None
         if rows is not None and (finished or rows >= WINDOW_PROBATION):
-            reader.trial.settle(self._overhead())
+            reader.trial.settle(step_overhead(self.controller))
 
     def _end(self, stop: str, samp: Sampling, utf8) -> None:
         ses, p = self.session, self._p
@@ -360,18 +368,13 @@ class Generation:
         finally:
             gen_s = self._clock() - p.t_gen0
             try:
-                ses._rewind()
+                ses.rewind()
             finally:
                 samp.close()
                 tail = utf8.decode(b"", final=True)
                 if tail:
                     self._text.append(tail)
                 self.stats = make_stats(self, stop, gen_s)
-
-    def _overhead(self) -> float:
-        """The draft model's controller's per-step overhead (--drafter auto: the one all drafters share)."""
-        ctrl = self.controller
-        return ctrl.shared.overhead if isinstance(ctrl, AdaptiveDrafters) else ctrl.overhead
 
     def run(self) -> "Generation":
         """Consume the whole generation (no streaming)."""

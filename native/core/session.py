@@ -1,4 +1,5 @@
-"""One conversation: the token history, the target's memory, its drafters, prefill and the speculative step."""
+"""One conversation: the token history, the target's memory, its drafters, prefill and rollback (the speculative
+step is core/step.py's, for one sequence or several)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,11 @@ import numpy as np
 
 from ...errors import ContextFullError, UsageError
 from ..drafters import registry
-from ..drafters.base import Agreement, CatchUp, Drafter, Proposal
-from .accept import expected_acceptance, greedy_emit, overlap, rejection_emit
+from ..drafters.base import Agreement, Drafter
+from .accept import overlap
 from .generation import Generation, new_controller
-from .logprobs import TokenLogprob, token_logprobs
 from .memory import Memory, common_prefix
-from .sampling import Sampling, Transform, restrict
+from .sampling import Transform, restrict
 from .settings import AGREE_MIN, GenerationSettings
 
 READ_TIMED_MIN = 16  # a read of the prompt this long or longer prices the reader's catch-up (Session.read_timing)
@@ -23,23 +23,6 @@ if TYPE_CHECKING:
     from ..control.chooser import AdaptiveDrafters
     from ..control.length import AdaptiveDraft
     from .engine import Engine
-
-
-@dataclass
-class StepResult:
-    emitted: list[int]
-    n_drafted: int
-    draft_s: float
-    verify_s: float
-    first_token_s: float | None = None  # seconds to the first drafted token (catch-up included), where clean
-    draft_token_s: float | None = None  # seconds per further drafted token, where measured
-    drafter: str | None = None  # who proposed this step's drafts (a registry name)
-    catchup: CatchUp | None = None  # a long catch-up before the first drafted token
-    # rejection sampling: per drafted position (reach, expected acceptance), accept.expected_acceptance
-    acceptance: tuple[tuple[float, float], ...] | None = None
-    constrained: bool = False  # the step's first token was under a constraint (GenerationSettings.constraint)
-    logprobs: list[TokenLogprob] | None = None  # per emitted token, where the settings ask (core/logprobs.py)
-    shared: bool = False  # the step's decodes carried other sequences too (its times are the batch's)
 
 
 @dataclass(frozen=True)
@@ -137,69 +120,7 @@ class Session:
         """--drafter auto: the most each available drafter could draft this step."""
         return {name: self.drafters[name].limit(n_draft_max, s) for name in self.available_drafters(s)}
 
-    # ==== the speculative step ================================================================
-    def _propose(self, s: GenerationSettings, samp: Sampling, n_draft_max: int,
-                 drafters: tuple[str, ...] | None) -> tuple[Proposal, str | None]:
-        """The proposal of the first drafter that has one (one that drafts only on a match is passed over
-        without), and its name."""
-        names = self.available_drafters(s) if drafters is None else drafters
-        for name in names if n_draft_max > 0 else ():
-            d = self.drafters.get(name)
-            if d is not None:
-                prop = d.propose(n_draft_max, s, samp)
-                if prop.tokens or not d.on_match_only:
-                    return prop, name
-        return Proposal(), None
-
-    def _step(self, s: GenerationSettings, samp: Sampling, n_draft_max: int,
-              drafters: tuple[str, ...] | None = None) -> StepResult:
-        """One speculative step: draft, verify [last, d1..dn] in one target pass, keep what its rule accepts."""
-        clock = self.engine.clock
-        t0 = clock()
-        constrained = samp.guide is not None and samp.guide.active
-        prop, drafter = self._propose(s, samp, n_draft_max, drafters)
-        n = samp.allowed_prefix(prop.tokens)  # cut at the first token a constraint forbids (an n-gram's)
-        drafts, q = prop.tokens[:n], prop.dists[:n]
-        if len(drafts) < s.draft_min:
-            drafts, q, drafter = [], [], None
-        t1 = clock()
-        self.tgt.save_checkpoint(n_next=len(drafts) + 1)  # the verify is one decode; its first token stays
-        self.tgt.extend([self.history[-1]] + drafts, logits="all")
-        emitted, acceptance = self._accept(drafts, q, samp)
-        return StepResult(emitted, len(drafts), t1 - t0, clock() - t1, prop.first_token_s, prop.token_s,
-                          drafter=drafter, catchup=prop.catchup, acceptance=acceptance, constrained=constrained,
-                          logprobs=self.logprobs_of(emitted, s))
-
-    def logprobs_of(self, emitted: list[int], s: GenerationSettings) -> list[TokenLogprob] | None:
-        """The emitted tokens' log-probabilities from the verify's target rows (before any rewind decodes)."""
-        if s.logprobs is None:
-            return None
-        return token_logprobs(self.tgt.ctx.logits(len(emitted)), emitted, s.logprobs)
-
-    def _accept(self, drafts: list[int], q: list, samp: Sampling) -> tuple[list[int], tuple | None]:
-        """The tokens the verify emits: the accepted drafts, then the target's own next token; under rejection
-        also what each drafted position was expected to accept (for the controller, after the fact). Under a
-        constraint each row is masked at its position first (greedy and rejection then run on the masked rows)."""
-        if samp.mode == "greedy":
-            return greedy_emit(samp.verify_rows(self.tgt.ctx.logits(len(drafts) + 1), drafts), drafts), None
-        if samp.mode == "rejection":
-            clock = self.engine.clock
-            ts = clock()
-            p = samp.target_tf.rows(samp.verify_rows(self.tgt.ctx.logits(len(drafts) + 1), drafts))
-            emitted = rejection_emit(drafts, q, p, samp.rng)
-            acceptance = tuple(expected_acceptance(drafts, q, p))
-            samp.sample_s += clock() - ts
-            return emitted, acceptance
-        # The target samples at each position; a draft token is accepted when the sample equals it.
-        emitted = []
-        for i in range(len(drafts) + 1):
-            tok = samp.sampler.sample(self.tgt.ctx, i)
-            emitted.append(tok)
-            if i == len(drafts) or tok != drafts[i]:
-                break
-        return emitted, None
-
-    def _rewind(self) -> None:
+    def rewind(self) -> None:
         """Roll every memory back to the committed history (the target holds all but the last token)."""
         self.tgt.truncate(common_prefix(self.tgt.tokens, self.history[:-1]))
         for d in self.drafters.values():
@@ -224,7 +145,7 @@ class Session:
         if not 0 < n <= len(self.history):
             raise ValueError(f"cannot roll back to {n} tokens of a {len(self.history)}-token history")
         del self.history[n:]
-        self._rewind()
+        self.rewind()
 
     # ==== prefill ===============================================================================
     def prefill(self, new_tokens: list[int], timed: Callable[[int, int], list[tuple[int, int]]] | None = None,
@@ -262,11 +183,11 @@ class Session:
         if self.reader is not None:
             self.reader.agree_rows = None
         try:
-            self._rewind()
+            self.rewind()
             self._pending = self._target_spans(self._spans(timed, agree), sampled, joined)
         except BaseException:
             del self.history[-len(new_tokens):]
-            self._rewind()
+            self.rewind()
             raise
 
     def prefill_reader(self) -> list[Timing]:

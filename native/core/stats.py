@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .session import StepResult
+    from .step import StepResult
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,12 @@ def drafts_without_model(drafters: tuple[str, ...]) -> bool:
     return any(n == AUTO or not DRAFTERS[n].needs_draft_model for n in drafters)
 
 
+def speculates(engine, drafters: tuple[str, ...]) -> bool:
+    """Whether a generation with these drafters may speculate on this engine: with its draft model, or with a
+    drafter that needs none (the one place every command and the server decide it)."""
+    return engine.draft is not None or drafts_without_model(drafters)
+
+
 def engine_options(drafters: tuple[str, ...]) -> dict:
     """The Engine(...) options these drafters need (the target's MTP head for mtp, and for auto where it has one)."""
     out: dict = {}

@@ -382,7 +382,7 @@ FINISH = {"eog": "stop", "stop": "stop", "n_predict": "length", "ctx": "length",
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the worker reports when a generation ends."""
+    """What the scheduler reports when a generation ends."""
 
     finish: str  # an engine stop reason or "stop" (a stop string)
     n_prompt: int

@@ -1,6 +1,6 @@
 """`specq serve` as a library: an OpenAI-compatible HTTP server (Starlette + uvicorn) over one model pair.
 
-Handlers parse and validate (serve_api), tokenize, and queue a Job for the worker loop (serve_worker), which
+Handlers parse and validate (serve_api), tokenize, and queue a Job for the engine loop (serving/scheduler.py), which
 drives the engine on the main thread that loaded it while uvicorn runs on a thread of its own; its events come
 back through an asyncio queue as JSON or server-sent events.
 Everything but /health needs the API key when one is set. Errors use OpenAI's shape; nothing a handler
@@ -36,7 +36,7 @@ from .outbox import Outbox, emitter
 from .template import TemplateFormatter, load_template
 from .tools import template_family
 from .scheduler import Scheduler
-from .worker import Job, Worker
+from .request import Job
 
 log = logging.getLogger("specq.serve")
 
@@ -100,7 +100,7 @@ def model_id(target: str | Path) -> str:
 
 
 class ServerState:
-    """What the handlers share: the engine's tokenizer and template, the worker, metrics and limits."""
+    """What the handlers share: the engine's tokenizer and template, the scheduler, metrics and limits."""
 
     def __init__(self, engine: Engine, template: str | None, defaults: GenerationSettings, cfg: ServeConfig,
                  model_name: str):
@@ -117,7 +117,7 @@ class ServerState:
         from .metrics import ServerMetrics
 
         self.metrics = ServerMetrics()
-        self.worker = (Scheduler if engine.parallel > 1 else Worker)(engine, self.metrics, cfg.max_queue)
+        self.scheduler = Scheduler(engine, self.metrics, cfg.max_queue)
         self._outbox: Outbox | None = None
 
     def outbox(self) -> Outbox:
@@ -323,7 +323,7 @@ class Handlers:
         return handler
 
     async def health(self, request):
-        w = self.state.worker
+        w = self.state.scheduler
         return _json({"status": "ok", "model": self.state.limits.model_id, "queue": w.waiting,
                       "slots": {"total": w.n_slots, "busy": w.busy}})
 
@@ -337,10 +337,10 @@ class Handlers:
     async def metrics(self, request):
         from starlette.responses import Response
 
-        m, w = self.state.metrics, self.state.worker
+        m, w = self.state.metrics, self.state.scheduler
         m.deferred.set(w.waiting)
         m.slots(w.n_slots, w.busy, self.state.engine.tgt_ctx.n_multi_decodes)
-        if w.batch is not None:
+        if w.n_slots > 1:
             m.batch(w.batch.planner)
         return Response(m.render(), media_type=m.content_type)
 
@@ -372,7 +372,7 @@ class Handlers:
         job = Job(tokens, settings, req.stops, lambda item: None, cache_prompt=req.cache_prompt,
                   speculative=req.speculative, outbox=st.outbox())
         job.emit = emitter(job.outbox, events, on_overflow=job.cancel)
-        st.worker.submit(job)
+        st.scheduler.submit(job)
         ids = ResponseIds(kind, st.limits.model_id)
         if req.stream:
             return self.EventStream(_event_stream(ids, req, events, plan), on_disconnect=job.cancel)
@@ -470,7 +470,7 @@ def _quiet_server_class():
 class SpecqServer:
     """A loaded pair behind an HTTP app; `serve(sock)` blocks until Ctrl-C/SIGTERM has drained it.
 
-    The engine stays on the thread that loaded it (this one, the main thread), which runs the worker's loop;
+    The engine stays on the thread that loaded it (this one, the main thread), which runs the scheduler's loop;
     uvicorn runs on a thread of its own. llama.cpp's CPU backend computes with GNU OpenMP, whose thread team
     belongs to the calling thread: an engine driven from another thread than its own decoded ~0.65x as fast."""
 
@@ -494,7 +494,7 @@ class SpecqServer:
             except BaseException as e:  # re-raised on the main thread, which reports it
                 failed.append(e)
             finally:
-                self.state.worker.stop()  # drained (or failed): the engine's loop ends
+                self.state.scheduler.stop()  # drained (or failed): the engine's loop ends
 
         thread = threading.Thread(target=run_http, name="specq-http", daemon=True)
         # uvicorn installs no signal handlers off the main thread: Ctrl-C/SIGTERM reach it through these
@@ -502,7 +502,7 @@ class SpecqServer:
         old = {s: signal.signal(s, http.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
         thread.start()
         try:
-            self.state.worker.run()
+            self.state.scheduler.run()
         finally:
             http.should_exit = True
             thread.join()
@@ -519,7 +519,7 @@ class SpecqServer:
     def close(self) -> None:
         """Free the models (on the thread that loaded them)."""
         try:
-            self.state.worker.stop()
+            self.state.scheduler.stop()
         finally:
             self.engine.close()
 

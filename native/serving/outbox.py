@@ -1,9 +1,9 @@
-"""The worker thread's way into the event loop: a request's events, delivered in order, one wake-up for all.
+"""The engine thread's way into the event loop: a request's events, delivered in order, one wake-up for all.
 
 Each `loop.call_soon_threadsafe` writes to the loop's wake-up socket, and the send releases the GIL to the
 HTTP thread for its turn while the engine's thread waits between two decodes. A step of N sequences sends
 N events or more; the outbox wakes the loop once for whatever has gathered since it last ran, and not at all
-while the worker holds it (`held()`, around a step's events): then once, when the step's last event is in.
+while the scheduler holds it (`held()`, around a step's events): then once, when the step's last event is in.
 """
 
 from __future__ import annotations
