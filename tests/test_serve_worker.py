@@ -166,6 +166,32 @@ def test_the_shared_prefix_is_not_decoded_again(worker):
     assert text == ref.text and out.stats.n_drafted > 0
 
 
+def test_the_first_token_is_sent_before_the_draft_reads_the_prompt(worker, monkeypatch):
+    """A served request's first token goes out before the draft model reads the prompt (off the path to it), as
+    Generation.__iter__ does: the read comes after the step's text is sent, not between the step and the send."""
+    from specq.native.core.session import Session
+
+    order, real = [], Session.prefill_reader
+
+    def read(self):
+        got = real(self)
+        order.append("read")
+        return got
+
+    monkeypatch.setattr(Session, "prefill_reader", read)
+    c = Collector()
+
+    def emit(item):
+        order.append(item[0])
+        c(item)
+
+    eng = worker.engine
+    worker.submit(Job(eng.tokenize("def fibonacci(n):\n    if n < 2:"), SETTINGS, (), emit, cache_prompt=False))
+    _, out = c.wait()
+    assert out.stats.n_drafted > 0 and "read" in order
+    assert order.index("text") < order.index("read"), order
+
+
 def test_a_stop_string_inside_a_step_rolls_both_caches_back(worker):
     eng, ses = worker.engine, worker.session
     prompt = eng.tokenize("The quick brown fox")

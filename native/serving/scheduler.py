@@ -197,7 +197,7 @@ class Scheduler:
         """One step of every running generation; each one's text to its client; then the drafts' reads of the
         prompts that just had their first token (off the path to it)."""
         try:
-            results = self.batch.step()
+            results = self.batch.step(read_now=False)
         except Exception as e:  # noqa: BLE001 - every generation of the batch shares the failed decode
             self._fail([r for r in self.running if r.gen is not None], e)
             self.batch = Batch(self.batch.planner)
