@@ -119,7 +119,7 @@ class Running:
     n_reused: int
     todo: list[int]  # prompt tokens not handed to the session yet (a chunked prefill)
     speculative: bool
-    matcher: StopMatcher = None  # type: ignore[assignment]
+    matcher: StopMatcher = field(init=False)
     gen: Generation | None = None
     n_kept: int = 0
     sent_chars: int = 0

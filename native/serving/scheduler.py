@@ -199,8 +199,7 @@ class Scheduler:
         try:
             results = self.batch.step(read_now=False)
         except Exception as e:  # noqa: BLE001 - every generation of the batch shares the failed decode
-            self._fail([r for r in self.running if r.gen is not None], e)
-            self.batch = Batch(self.batch.planner)
+            self._fail_batch(e)
             return
         by_gen = {id(r.gen): r for r in self.running if r.gen is not None}
         with contextlib.ExitStack() as held:  # the step's events wake the HTTP loop once, at the end
@@ -215,8 +214,7 @@ class Scheduler:
         try:
             self.batch.delivered()
         except Exception as e:  # noqa: BLE001 - a draft's read failed: the generations it served fail
-            self._fail([r for r in self.running if r.gen is not None], e)
-            self.batch = Batch(self.batch.planner)
+            self._fail_batch(e)
 
     def _drop_cancelled(self) -> None:
         """End the generations whose clients left (between steps: the others' memories are untouched)."""
@@ -241,6 +239,11 @@ class Scheduler:
         self.metrics.observe(outcome, slot=run.session.seq if self.n_slots > 1 else None)
         run.job.emit(("done", outcome))
         self._release(run)
+
+    def _fail_batch(self, e: Exception) -> None:
+        """A decode of the batch failed: every running generation fails, and a new batch keeps the planner."""
+        self._fail([r for r in self.running if r.gen is not None], e)
+        self.batch = Batch(self.batch.planner)
 
     def _fail(self, runs: list[Running], e: Exception) -> None:
         for run in runs:
