@@ -10,7 +10,9 @@ Reports each benchmark's specq figure per checkout (medians over rounds) and aft
 
 Benchmarks (short settings, so that a round takes minutes): vs_llamacpp.py (demo pair, draft-max 8, its specq
 tok/s and specq ÷ llama.cpp in the same run), drafters.py (auto on the general and copy sets, 2 prompts each,
-64 tokens) and serve_vs_engine.py (demo pair, one request through serve, no TTFT).
+64 tokens), serve_vs_engine.py (demo pair, one request through serve, no TTFT) and serve_vs_llamaserver.py
+(demo pair, 1 and 4 streaming clients, two 96-token requests each: specq serve with the draft and asked for the
+target alone, and llama-server plain from --llama-bin, whose ratio normalises each run for load).
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ def figures(name: str, doc: dict) -> dict[str, float]:
     if name == "vs_llamacpp":
         s = doc["summary"]
         return {"specq_tok_s": s["specq_tokens_per_s"], "specq_over_llamacpp": s["ratio"]}
+    if name == "serve_vs_llamaserver":
+        out = {}
+        for n, r in doc["ratios"].items():
+            med = r["medians"]
+            out[f"n{n}_specq_tok_s"] = med["specq"]["total_tokens_per_s"]
+            out[f"n{n}_specq_plain_tok_s"] = med["specq plain"]["total_tokens_per_s"]
+            out[f"n{n}_specq_over_llamaserver_plain"] = r["vs_plain"]
+        return out
     if name == "serve_vs_engine":
         s = doc["summary"]
         return {"serve_tok_s_wall": s["serve_tok_s_wall"], "engine_tok_s": s["engine_tok_s"]}
@@ -58,6 +68,10 @@ BENCHES = {
                                            "--threads", "2"]),
     "serve_vs_engine": ("serve_vs_engine.py", lambda a: ["--pair", "demo", "--repeats", "3", "--n-predict", "128",
                                                          "--ttft-prompts", "500"]),
+    "serve_vs_llamaserver": ("serve_vs_llamaserver.py",
+                             lambda a: ["--llama-server", str(Path(a.llama_bin) / "llama-server"), "--clients", "1,4",
+                                        "--kinds", "specq,specq plain,llama-server plain", "--requests", "2",
+                                        "--max-tokens", "96"]),
 }
 
 

@@ -12,6 +12,7 @@ mutant's run at its first failing test (every mutant still has to die; the table
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import signal
 import subprocess
@@ -137,10 +138,10 @@ MUTANTS = [
 ]
 
 
-def run_tests(timeout: int, first: bool = False) -> tuple[int, list[str], float]:
+def run_tests(timeout: int, first: bool = False, tests: list[str] = TESTS) -> tuple[int, list[str], float]:
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(["-x"] if first else []),
-                        *TESTS], cwd=ROOT,
+                        *tests], cwd=ROOT,
                        capture_output=True, text=True, timeout=timeout)
     failed = sorted({m.group(1) for m in re.finditer(r"^(?:FAILED|ERROR) (\S+)", r.stdout, re.M)})
     return r.returncode, failed, time.perf_counter() - t0
@@ -164,13 +165,17 @@ def main() -> int:
     ap.add_argument("--markdown", action="store_true", help="print the result table as Markdown")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--first", action="store_true", help="stop each mutant's tests at the first failure")
+    ap.add_argument("--json", type=Path, help="write every mutant's killing tests here")
+    ap.add_argument("--tests", help="comma-separated test files or ids to run instead of the exactness set "
+                                    "(a quick check of which of them kill each mutant)")
     a = ap.parse_args()
     chosen = [m for m in MUTANTS if not a.only or m.name in a.only.split(",")]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `kill` restores the sources too (finally below)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "native"], cwd=ROOT, capture_output=True, text=True).stdout
     if dirty.strip():
         raise SystemExit("native/ has uncommitted changes; commit or stash them first (the mutants edit it in place)")
-    rc, failed, secs = run_tests(a.timeout)
+    tests = a.tests.split(",") if a.tests else TESTS
+    rc, failed, secs = run_tests(a.timeout, tests=tests)
     if rc != 0:
         raise SystemExit(f"the tests fail without any mutation: {failed}")
     print(f"unmutated: tests pass ({secs:.0f} s)", flush=True)
@@ -179,7 +184,7 @@ def main() -> int:
         originals: dict[Path, str] = {}
         try:
             apply(m, originals)
-            rc, failed, secs = run_tests(a.timeout, a.first)
+            rc, failed, secs = run_tests(a.timeout, a.first, tests)
         finally:
             for p, text in originals.items():
                 p.write_text(text, encoding="utf-8")
@@ -189,6 +194,8 @@ def main() -> int:
         rows.append((m, failed))
         print(f"{m.name}: {'killed by ' + str(len(failed)) + ' tests' if killed else 'SURVIVED'} ({secs:.0f} s)",
               flush=True)
+    if a.json:
+        a.json.write_text(json.dumps({m.name: failed for m, failed in rows}, indent=1) + "\n")
     if a.markdown:
         print("\n| mutant (wrong rule) | killed by |\n|---|---|")
         for m, failed in rows:

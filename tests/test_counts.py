@@ -10,6 +10,7 @@ import pytest
 from specq.native.core.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from specq.native.core import step as speculative
+from beside import Pair, beside, spy_steps
 from tinymodels import write_tiny_gguf
 
 PROMPT = "def fibonacci(n):"
@@ -88,3 +89,51 @@ def test_a_generation_stopped_inside_a_step_counts_only_the_positions_kept(tiny_
     assert st.n_drafted == st.n_accepted == k + 2
     assert st.n_tried == st.n_drafted and st.accept_rate == st.alpha == 1.0
     assert dict(st.n_drafted_by) == {"model": k + 2} and dict(st.n_accepted_by) == {"model": k + 2}
+
+
+# ---- the same counts for a sequence stepped beside another (one step, one verify decode for both) -----------
+def test_beside_another_a_draft_never_accepted_counts_every_token_it_drafted(tiny_target, tiny_contrary,
+                                                                             monkeypatch):
+    seen = spy_steps(monkeypatch, 1)
+    with Engine(tiny_target, tiny_contrary, ctx=256, threads=1, parallel=2) as e:
+        toks = e.tokenize(PROMPT)
+        g = beside(e, toks, GenerationSettings(n_predict=24, draft_max=4))
+    st = g.stats
+    assert len(set(g.tokens)) > 3 and all(m == 1 for _, m in seen)  # every draft rejected at once
+    assert st.n_drafted == sum(d for d, _ in seen) > 24 and st.n_accepted == 0 and st.accept_rate == 0.0
+    assert st.n_tried == sum(1 for d, _ in seen if d) and st.alpha == 0.0
+
+
+def test_beside_another_a_step_rejected_at_position_i_counts_all_k(tiny_target, tiny_close, monkeypatch):
+    seen = spy_steps(monkeypatch, 1)
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1, parallel=2) as e:
+        g = beside(e, e.tokenize(PROMPT), GenerationSettings(n_predict=64, draft_max=6))
+    st = g.stats
+    assert [(d, m) for d, m in seen if 1 < m < d], seen  # accepted m-1 of d, rejected at position m
+    assert st.n_drafted == sum(d for d, _ in seen)
+    assert st.n_accepted == sum(m - 1 for d, m in seen if d)
+    assert st.n_tried == sum(min(d, m) for d, m in seen if d) and st.alpha > st.accept_rate
+
+
+def test_beside_another_a_generation_stopped_inside_a_step_counts_only_the_positions_kept(tiny_target,
+                                                                                          monkeypatch):
+    """A stop string inside a step (the server's: Generation.keep, then Batch.cancel): the draft positions past
+    the last token used count nowhere."""
+    seen = spy_steps(monkeypatch, 1)
+    k, stop_after = 6, 10
+    with Engine(tiny_target, tiny_target, ctx=256, threads=1, parallel=2) as e:  # draft = target: all accepted
+        pair = Pair(e, e.tokenize(PROMPT), GenerationSettings(n_predict=64, draft_max=k))
+        got: list = []
+        while len(got) < stop_after:
+            new = pair.step()
+            got += new
+        used = len(new) - (len(got) - stop_after)
+        assert 0 < used < len(new)  # the stop fell inside the last step
+        pair.g.keep(used)
+        pair.batch.cancel(pair.g)
+        pair.check_shared()
+    st = pair.g.stats
+    d_last, m_last = seen[-1]
+    assert m_last == len(new) and d_last >= used
+    assert st.n_drafted == st.n_accepted == sum(d for d, _ in seen[:-1]) + used < sum(d for d, _ in seen)
+    assert st.accept_rate == st.alpha == 1.0

@@ -10,11 +10,19 @@ import tinymodels
 from specq.native.llama import ffi as _ffi
 from specq.native.core.engine import Engine, SimulatedClock
 from specq.native.core.settings import GenerationSettings
+from beside import beside, spy_steps
 from stats import chi2_pvalue
 from test_hybrid import write_tiny_mamba
 from tinymodels import TinySpec, write_tiny_gguf
 
 PROMPT = "def fibonacci(n):"
+WHERE = pytest.mark.parametrize("beside_another", [False, True], ids=["alone", "beside"])
+
+
+def generate(e, toks: list[int], settings: GenerationSettings, beside_another: bool = False):
+    """One generation run alone, or on sequence 1 with a neighbour sharing each of its steps (an engine with
+    parallel=2, tests/beside.py): the speculative step's two uses, one rule."""
+    return beside(e, toks, settings) if beside_another else e.session().generate(toks, settings).run()
 
 
 def assert_consistent(ses):
@@ -94,11 +102,12 @@ def test_an_interruption_after_any_llama_call_leaves_both_caches_consistent(kind
 
 
 # ---- 2. a verify batch is one decode with all its rows, whatever n_batch ------------------------------------
-def test_small_n_batch_still_verifies_every_row(tiny_target, tiny_close):
-    with Engine(tiny_target, tiny_close, ctx=256, threads=1, n_batch=4) as e:
+@WHERE
+def test_small_n_batch_still_verifies_every_row(tiny_target, tiny_close, beside_another):
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1, n_batch=4, parallel=1 + beside_another) as e:
         toks = e.tokenize(PROMPT)
         base = e.session().generate(toks, GenerationSettings(n_predict=48), speculative=False).run()
-        g = e.session().generate(toks, GenerationSettings(n_predict=48, draft_max=8)).run()
+        g = generate(e, toks, GenerationSettings(n_predict=48, draft_max=8), beside_another)
     assert len(set(base.tokens)) > 5
     assert g.tokens == base.tokens
     assert g.stats.accepted_per_pos[4] > 0  # some steps verified more than n_batch tokens and used them
@@ -168,26 +177,30 @@ def target_law(path, tokens: list[int], depth: int, top_k: int = 0, ctx: int = 1
     return law
 
 
-def sampled_law(e, toks: list[int], n: int, depth: int, **settings) -> tuple[dict, list]:
+def sampled_law(e, toks: list[int], n: int, depth: int, beside_another: bool = False, **settings
+                ) -> tuple[dict, list]:
     """Counts of the first `depth` generated tokens (as tuples, like target_law's keys) over n generations with
-    seeds 0..n-1 on one session, and each generation's stats."""
+    seeds 0..n-1 on one session (or each beside a neighbour: `generate`), and each generation's stats."""
     ses, counts, stats = e.session(), {}, []
     for seed in range(n):
         ses.reset()
-        g = ses.generate(toks, GenerationSettings(seed=seed, **settings)).run()
+        s = GenerationSettings(seed=seed, **settings)
+        g = generate(e, toks, s, True) if beside_another else ses.generate(toks, s).run()
         key = tuple(g.tokens[:depth])
         counts[key] = counts.get(key, 0) + 1
         stats.append(g.stats)
     return counts, stats
 
 
-def test_a_wider_draft_vocabulary_keeps_the_law_of_a_drafted_token_exact(tiny_target, wide_draft):
+@WHERE
+def test_a_wider_draft_vocabulary_keeps_the_law_of_a_drafted_token_exact(tiny_target, wide_draft, beside_another):
     # the first token comes from the target's prefill alone; the second is the first drafted position
-    with Engine(tiny_target, wide_draft, ctx=128, threads=1) as e:
+    with Engine(tiny_target, wide_draft, ctx=128 + 128 * beside_another, threads=1,
+                parallel=1 + beside_another) as e:
         assert e.draft.n_vocab == e.target.n_vocab + 24
         toks = e.tokenize(PROMPT)
         law = target_law(tiny_target, toks, 2)
-        counts, stats = sampled_law(e, toks, 3000, 2, n_predict=3, draft_max=1, **KW1)
+        counts, stats = sampled_law(e, toks, 3000, 2, beside_another, n_predict=3, draft_max=1, **KW1)
         drafted = sum(st.n_drafted for st in stats)
     assert drafted > 2000  # the draft proposed tokens (from the ids the target has)
     assert chi2_pvalue(counts, law) > 0.001
@@ -256,6 +269,14 @@ def test_generation_ends_at_the_end_of_generation_token(eog_pair, speculative):
         assert g.stats.n_drafted > 0 and g.stats.n_accepted == g.stats.n_drafted == len(g.tokens) - 1
 
 
+def test_beside_another_generation_ends_at_the_end_of_generation_token(eog_pair):
+    t, d, eog, at = eog_pair
+    with Engine(t, d, ctx=256, threads=1, parallel=2) as e:
+        g = generate(e, e.tokenize(PROMPT), GenerationSettings(n_predict=40, draft_max=at + 3), True)
+    assert g.stats.stop_reason == "eog" and g.tokens[-1] == eog and len(g.tokens) == at + 1
+    assert g.stats.n_drafted > 0 and g.stats.n_accepted == g.stats.n_drafted == len(g.tokens) - 1
+
+
 # ---- 6. draft_min and per-position counts that can fail ------------------------------------------------------
 def verify_sizes(e, settings) -> list[int]:
     """The batch size of every verify pass (the target's decodes with logits at every row) of one generation."""
@@ -283,9 +304,24 @@ def test_draft_min_drops_short_drafts_and_only_those(tiny_target, tiny_close):
     assert {4, 5} & set(strict)  # while the long drafts still ran
 
 
-def test_accepted_per_position_counts_steps_reaching_each_position(tiny_target, tiny_close):
-    with Engine(tiny_target, tiny_close, ctx=256, threads=1) as e:
-        st = e.session().generate(e.tokenize(PROMPT), GenerationSettings(n_predict=64, draft_max=4)).run().stats
+def test_beside_another_draft_min_drops_short_drafts_and_only_those(tiny_target, tiny_close, monkeypatch):
+    """The same with a neighbour in each step's decodes, read from the step's own counts (the verify decode
+    carries both sequences' rows)."""
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1, parallel=2) as e:
+        toks = e.tokenize(PROMPT)
+        free = spy_steps(monkeypatch, 1)
+        generate(e, toks, GenerationSettings(n_predict=48, draft_max=4, p_min=0.1), True)
+        strict = spy_steps(monkeypatch, 1)
+        generate(e, toks, GenerationSettings(n_predict=48, draft_max=4, p_min=0.1, draft_min=3), True)
+    assert {1, 2} & {d for d, _ in free}
+    assert not {1, 2} & {d for d, _ in strict}
+    assert {3, 4} & {d for d, _ in strict}
+
+
+@WHERE
+def test_accepted_per_position_counts_steps_reaching_each_position(tiny_target, tiny_close, beside_another):
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1, parallel=1 + beside_another) as e:
+        st = generate(e, e.tokenize(PROMPT), GenerationSettings(n_predict=64, draft_max=4), beside_another).stats
     apos = st.accepted_per_pos
     assert sum(apos) == st.n_accepted  # each accepted token is counted at exactly one position
     assert apos[0] <= st.n_steps and apos[0] > apos[3] > 0  # some steps accept all 4, not all do

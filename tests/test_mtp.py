@@ -14,6 +14,7 @@ from specq.errors import ModelFileError
 from specq.native.llama import ffi as _ffi
 from specq.native.core.engine import Engine
 from specq.native.core.settings import GenerationSettings
+from beside import Pair
 from stats import chi2_pvalue
 from test_exactness import sampled_law, target_law
 
@@ -146,6 +147,25 @@ def test_the_head_sees_each_token_with_the_trunk_state_before_it(mtp_target):
         ses.rollback(len(ses.history) - 10)  # the rows the head needs now were dropped: the target re-evaluates
         drafts, rows = engine_mtp_rows(ses, 2)
         np.testing.assert_allclose(rows, reference_mtp_rows(mtp_target, ses.history, drafts), atol=2e-3, rtol=1e-3)
+
+
+def test_beside_another_the_head_sees_each_token_with_the_trunk_state_before_it(mtp_target):
+    """The same on sequence 1 of a batch of two: its head is fed its own rows of each batched verify, paired as
+    alone."""
+    with Engine(mtp_target, None, ctx=1024, threads=1, mtp=True, n_batch=128, parallel=2) as e:
+        pair = Pair(e, e.tokenize(" ".join(PROMPTS * 10)), GenerationSettings(n_predict=24, draft_max=3,
+                                                                                drafter="mtp"))
+        ses, checked, i = pair.g.session, 0, 0
+        while pair.g in pair.batch.live:
+            pair.step()
+            i += 1
+            if i % 3 == 2 and pair.g in pair.batch.live:
+                drafts, rows = engine_mtp_rows(ses, 2)
+                np.testing.assert_allclose(rows, reference_mtp_rows(mtp_target, ses.history, drafts), atol=2e-3,
+                                           rtol=1e-3)
+                checked += 1
+        pair.check_shared()
+    assert checked >= 3 and pair.g.stats.n_drafted > 0
 
 
 def test_missing_trunk_rows_are_evaluated_again_and_the_output_stays_exact(mtp_target):

@@ -238,13 +238,15 @@ def law_at(path, tokens: list[int], depth: int, temp: float, top_k: int) -> dict
 
 
 def test_one_sequence_keeps_the_targets_law_while_others_decode_beside_it(tiny_target, tiny_close):
+    """The first four tokens of sequence 0: the target's prefill's own, two drafted, and the verify's bonus token
+    (where both were accepted)."""
     kw = dict(temp=0.8, top_k=3, top_p=1.0, min_p=0.0)
     with Engine(tiny_target, tiny_close, ctx=128, threads=1, parallel=3) as e:
         toks = e.tokenize(PROMPTS[0])
-        law = law_at(tiny_target, toks, 3, 0.8, 3)
+        law = law_at(tiny_target, toks, 4, 0.8, 3)
         sessions = [e.session(i) for i in range(3)]
         counts: dict = {}
-        shared = drafted = 0
+        shared = drafted = bonus = 0
         for seed in range(2500):
             batch = Batch()
             for i, ses in enumerate(sessions):
@@ -257,10 +259,11 @@ def test_one_sequence_keeps_the_targets_law_while_others_decode_beside_it(tiny_t
             batch.run()
             shared += e.tgt_ctx.n_multi_decodes - n0 > 0
             drafted += g.stats.n_drafted
-            key = tuple(g.tokens[:3])
+            bonus += g.stats.accepted_per_pos[1] > 0
+            key = tuple(g.tokens[:4])
             counts[key] = counts.get(key, 0) + 1
-    assert len(law) == 27
-    assert shared == 2500 and drafted > 2500
+    assert len(law) == 81
+    assert shared == 2500 and drafted > 2500 and bonus > 300
     assert chi2_pvalue(counts, law) > 0.001
 
 
