@@ -1,7 +1,8 @@
 """The same benchmarks from two checkouts of specq, alternating round by round: is a refactor speed-neutral?
 
-Each checkout runs with its own Python (a venv with that checkout installed editable), so each measures its own
-code; rounds alternate before/after (and the order flips every round) so that load from elsewhere hits both.
+Each checkout runs with its own Python (a venv with that checkout installed editable, or any Python that imports
+`specq` from it), so each measures its own code, with this checkout's benchmark scripts; rounds alternate
+before/after (and the order flips every round) so that load from elsewhere hits both.
 Reports each benchmark's specq figure per checkout (medians over rounds) and after ÷ before.
 
     python benchmarks/before_after.py --before DIR --before-python DIR/.venv/bin/python \\
@@ -27,10 +28,12 @@ from pathlib import Path
 
 
 def run(python: str, tree: Path, script: str, args: list[str]) -> dict:
+    """One benchmark: this script's own copy of it (the same instrument for both checkouts), run by the
+    checkout's Python from the checkout's folder."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "out.json"
         flag = "--out" if script == "drafters.py" else "--json"
-        cmd = [python, str(tree / "benchmarks" / script), *args, flag, str(out)]
+        cmd = [python, str(Path(__file__).parent / script), *args, flag, str(out)]
         p = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
         if p.returncode != 0:
             sys.exit(f"{script} failed in {tree} ({p.returncode}): {p.stderr[-2000:]}")
@@ -63,7 +66,8 @@ def figures(name: str, doc: dict) -> dict[str, float]:
 
 
 BENCHES = {
-    "vs_llamacpp": ("vs_llamacpp.py", lambda a: ["--llama-bin", a.llama_bin, "--repeat", "3"]),
+    "vs_llamacpp": ("vs_llamacpp.py", lambda a: ["--llama-bin", a.llama_bin, "--repeat", "3",
+                                                 f"--llama-args={a.llama_args}"]),
     "drafters": ("drafters.py", lambda a: ["--repeat", "1", "--n-predict", "64", "--limit-prompts", "2",
                                            "--threads", "2"]),
     "serve_vs_engine": ("serve_vs_engine.py", lambda a: ["--pair", "demo", "--repeats", "3", "--n-predict", "128",
@@ -82,6 +86,7 @@ def main() -> int:
     ap.add_argument("--after", type=Path, default=Path("."))
     ap.add_argument("--after-python", default=sys.executable)
     ap.add_argument("--llama-bin", required=True)
+    ap.add_argument("--llama-args", default="", help="vs_llamacpp.py's --llama-args (-nr on an AMX Xeon)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default=",".join(BENCHES))
     ap.add_argument("--json", type=Path)

@@ -36,7 +36,7 @@ def run_llamacpp(binary: Path, target: str, draft: str, a) -> dict:
     cmd = [str(binary), "-m", target, "--spec-type", "draft-simple", "--spec-draft-model", draft,
            "--spec-draft-n-max", str(a.draft_max), "--spec-draft-n-min", "0", "--spec-draft-p-min", str(a.p_min),
            "-p", a.prompt, "-n", str(a.n_predict), "--temp", "0", "--seed", "0", "-t", str(a.threads),
-           "-c", str(a.ctx), "-ngl", "0", "--spec-draft-ngl", "0"]
+           "-c", str(a.ctx), "-ngl", "0", "--spec-draft-ngl", "0", *a.llama_args.split()]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, errors="replace")  # random weights: any bytes
     if p.returncode != 0:
@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--llama-args", default="", help="more arguments for llama-speculative-simple (-nr on an AMX "
+                                                      "Xeon, where its repacked Q4_1 draft crashes: NOTES.md)")
     ap.add_argument("--with-default", action="store_true",
                     help="also run specq with its default settings (draft-max auto) and the target alone")
     a = ap.parse_args()
