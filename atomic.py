@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from .native.llama import abort_guard
+# half-written outputs, removed by native/llama/abort_guard.py if the process has to end inside C
+pending: set[Path] = set()
 
 
 def temp_path(final: Path) -> Path:
@@ -20,7 +21,7 @@ def temp_path(final: Path) -> Path:
 def atomic_output(final: Path) -> Iterator[Path]:
     """Yield a temporary path; on success it is fsynced and renamed to `final`, on any failure removed."""
     tmp = temp_path(final)
-    abort_guard.track(tmp)  # a native abort removes it too
+    pending.add(tmp)  # a native abort removes it too (abort_guard)
     try:
         yield tmp
         with open(tmp, "rb") as f:
@@ -31,4 +32,4 @@ def atomic_output(final: Path) -> Iterator[Path]:
             tmp.unlink()
         raise
     finally:
-        abort_guard.untrack(tmp)
+        pending.discard(tmp)

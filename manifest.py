@@ -19,6 +19,7 @@ from typing import Any
 from . import __version__
 from .atomic import atomic_output
 from .errors import ManifestError
+from .machine import cache_dir
 
 log = logging.getLogger("specq.convert")
 
@@ -41,8 +42,6 @@ def sha256_file(path: Path, block: int = 8 << 20) -> str:
 
 def verified_sha256(path: Path) -> str:
     """sha256 of a file, remembered per (path, size, mtime) so a multi-GB pair is hashed once, not per start."""
-    from .native.commands.demo import cache_dir
-
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     store = cache_dir() / "verified-sha256.json"

@@ -64,7 +64,7 @@ def server_main(
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1 ({threads})")
     from ..native.commands import rpc
-    from ..native.core.settings import physical_cores
+    from ..machine import physical_cores
     from ..native.commands.placement import parse_devices
 
     devices = rpc.serve_devices(list(parse_devices(device) or ()))
@@ -101,7 +101,7 @@ def _client_host(host: str) -> str:
 
 
 def _cache_dir() -> str:
-    from ..native.commands.demo import cache_dir
+    from ..machine import cache_dir
 
     d = cache_dir() / "rpc-server-cache"
     d.mkdir(parents=True, exist_ok=True)

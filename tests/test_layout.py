@@ -137,3 +137,12 @@ def test_no_method_is_replaced_at_run_time():
                 patched += [f"{f.relative_to(ROOT)}:{node.lineno} .{el.attr}" for el, value in pairs
                             if isinstance(el, ast.Attribute) and el.attr in methods and is_method(value)]
     assert not patched, patched
+
+
+def test_the_roots_modules_import_none_of_the_folders():
+    """The root's modules (errors, atomic, manifest, machine) lie below every folder: any folder may import them,
+    and they import no folder's module, lazily or not (atomic once reached up to native/llama, manifest to
+    native/commands for the cache folder: one import circle through every layer)."""
+    folders = tuple(f"specq.{d}" for d in PACKAGE_DIRS)
+    found = {f.name: sorted(m for m in imported_modules(f) if m.startswith(folders)) for f in ROOT.glob("*.py")}
+    assert {name: mods for name, mods in found.items() if mods} == {}

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from ...errors import ModelFileError
+from ...machine import cache_dir
 from ..llama import ffi as _ffi
 from ..llama.quantize_proc import quantize_in_child
 
@@ -15,14 +16,6 @@ log = logging.getLogger("specq.demo")
 
 DEMO_DRAFT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_TARGET_FILE = "SmolLM2-135M-Instruct.F32.gguf"
-
-
-def cache_dir() -> Path:
-    """specq's cache folder: $SPECQ_CACHE_DIR, else $XDG_CACHE_HOME/specq, else ~/.cache/specq."""
-    if os.environ.get("SPECQ_CACHE_DIR"):
-        return Path(os.environ["SPECQ_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "specq"
 
 
 def demo_draft_path() -> Path:

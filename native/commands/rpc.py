@@ -146,7 +146,7 @@ def reachable(ep: Endpoint, timeout: float = 1.0) -> bool:
 
 # ---- building the backend library --------------------------------------------------------------------
 def build_dir(version: str | None = None) -> Path:
-    from .demo import cache_dir
+    from ...machine import cache_dir
 
     return cache_dir() / "rpc" / (version or _ffi.llama_cpp_python_version())
 

@@ -18,7 +18,8 @@ from .config import choose_flash_attn, kv_streams, on_cpu
 from ..llama import ffi as _ffi
 from .compat import VocabInfo, check_compatible
 from .session import Session
-from .settings import AGREE_TOKENS, AUTO_DRAFT_CAP, DRAFT_MAX_CAP, MIN_DRAFT_WINDOW, physical_cores
+from ...machine import physical_cores
+from .settings import AGREE_TOKENS, AUTO_DRAFT_CAP, DRAFT_MAX_CAP, MIN_DRAFT_WINDOW
 
 
 class SimulatedClock:

@@ -32,28 +32,6 @@ WINDOW_PROBATION = 24
 ACCEPT_MODES = ("auto", "match", "rejection")
 
 
-def physical_cores() -> int:
-    """Physical CPU cores (llama.cpp's own default), falling back to the logical count."""
-    try:
-        cores = set()
-        phys = core = None
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("physical id"):
-                    phys = line.split(":")[1].strip()
-                elif line.startswith("core id"):
-                    core = line.split(":")[1].strip()
-                elif not line.strip():
-                    if core is not None:
-                        cores.add((phys, core))
-                    phys = core = None
-        if cores:
-            return len(cores)
-    except OSError:
-        pass
-    return os.cpu_count() or 1
-
-
 @dataclass(frozen=True)
 class GenerationSettings:
     n_predict: int | None = 128  # None: until end of generation or a full context

@@ -1,31 +1,23 @@
 """The last line of defence against native aborts: ggml's abort callback prints one specq error line.
 
 A GGML_ASSERT that Python-side checks did not foresee ends the process inside C. ggml calls this callback
-with its message just before abort(); we print one `specq: error:` line, remove any half-written output
-files, and end the process with exit code 1 (instead of SIGABRT, a backtrace and a debugger dump).
+with its message just before abort(); we print one `specq: error:` line, remove the half-written output
+files (`atomic.pending`), and end the process with exit code 1 (instead of SIGABRT, a backtrace and a
+debugger dump).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-from pathlib import Path
+
+from ...atomic import pending
 
 EXIT_CODE = 1
-_pending: set[Path] = set()  # half-written outputs to remove if the process has to end in C
 _installed = None  # keeps the ctypes callback alive for the life of the process
 
 _ABORT_CB = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 _explainers: list = []  # message → a better line or None (native/commands/rpc.py names a lost server)
-
-
-def track(path: Path) -> None:
-    """Remember a temporary output file until untrack(); an abort removes it."""
-    _pending.add(Path(path))
-
-
-def untrack(path: Path) -> None:
-    _pending.discard(Path(path))
 
 
 def add_explainer(fn) -> None:
@@ -53,7 +45,7 @@ def abort_line(message: bytes | None) -> str:
 def _on_abort(message: bytes | None) -> None:
     try:
         os.write(2, abort_line(message).encode("utf-8", "replace"))
-        for p in list(_pending):
+        for p in list(pending):
             try:
                 p.unlink()
             except OSError:
