@@ -33,7 +33,7 @@ from specq.native.llama import ffi as _ffi
 from specq.native.commands.bench import BenchConfig, load_prompt_set, read_prompt_set, run_bench
 from specq.native.commands.demo import cache_dir, demo_pair
 from specq.native.commands.placement import default_ngl
-from specq.native.core.config import EngineConfig
+from specq.native.runtime.config import EngineConfig
 from specq.native.core.settings import GenerationSettings
 from deep_pair import deep_pair  # noqa: E402 (benchmarks/ is the script's folder)
 

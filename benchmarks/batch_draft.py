@@ -5,7 +5,7 @@ a prompt-sized prefix per sequence) and one draft decode of B rows (one draft po
 α per position measured on the pair alone (greedy, k = 8), the aggregate tokens per second of a batched step are
 B·E(α, k) / (t_verify(B, k) + k·t_draft(B)), and B / t_verify(B, 0) without drafting. The best k falls as B grows
 because the verify's cost grows with the batch's total rows B·(k+1).
-Measurement: B greedy generations stepped together (core/batch.py) at each k and under --draft-max auto: "auto"
+Measurement: B greedy generations stepped together (runtime/batch.py) at each k and under --draft-max auto: "auto"
 (the batch's cost model, control/batch_plan.py, caps each sequence's own length) and "auto-own" (each sequence's
 controller alone); aggregate tokens/s, the configurations alternating.
 
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from specq.native.control.expected import expected_tokens_per_pass  # noqa: E402
 from deep_pair import pair  # noqa: E402
 from specq.native.control.batch_plan import BatchPlanner  # noqa: E402
-from specq.native.core.batch import Batch  # noqa: E402
-from specq.native.core.engine import Engine  # noqa: E402
+from specq.native.runtime.batch import Batch  # noqa: E402
+from specq.native.runtime.engine import Engine  # noqa: E402
 from specq.native.core.settings import GenerationSettings  # noqa: E402
 
 PROMPTS = Path(__file__).parent / "prompts" / "adaptive12.jsonl"

@@ -30,7 +30,7 @@ import numpy as np
 from deep_pair import pair as pair_by_name  # (benchmarks/, the script's folder)
 from specq.native.commands.demo import demo_pair
 from specq.native.core.constraint import Constraint, Guide, apply_mask, compile_constraint
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from specq.native.llama import ffi as _ffi
 from specq.native.llama.guidance import lltokenizer

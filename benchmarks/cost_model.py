@@ -26,7 +26,7 @@ from deep_pair import deep_pair
 from specq.native.commands.bench import BenchConfig, load_prompt_set, run_bench
 from specq.native.commands.demo import cache_dir, demo_pair
 from specq.native.commands.placement import default_ngl
-from specq.native.core.config import EngineConfig
+from specq.native.runtime.config import EngineConfig
 from specq.native.core.settings import GenerationSettings
 
 POINTS = (2, 4, 8, "auto")

@@ -37,8 +37,8 @@ from specq.native.llama import ffi as _ffi
 from specq.native.commands import placement
 from specq.native.commands.bench import load_prompt_set, prompt_tokens, read_prompt_set, run_record, BenchConfig
 from specq.native.commands.demo import demo_pair
-from specq.native.core.config import EngineConfig
-from specq.native.core.engine import Engine
+from specq.native.runtime.config import EngineConfig
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 
 HERE = Path(__file__).parent

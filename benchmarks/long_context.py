@@ -38,7 +38,7 @@ from adaptive import machine  # noqa: E402
 from deep_pair import deep_pair  # noqa: E402
 
 from specq.native.commands.demo import demo_pair  # noqa: E402
-from specq.native.core.engine import Engine  # noqa: E402
+from specq.native.runtime.engine import Engine  # noqa: E402
 from specq.native.core.settings import GenerationSettings  # noqa: E402
 
 MODULES = ("argparse", "subprocess", "typing", "collections", "json", "asyncio", "unittest", "logging", "email",

@@ -73,10 +73,10 @@ MUTANTS = [
                        "rollbacks from a slid window never happen",
            (("native/llama/ffi.py", "params.swa_full = bool(swa_full)", "params.swa_full = True"),)),
     Mutant("ignore-eog", "end of generation ignored",
-           (("native/core/generation.py", "if is_eog:\n                return events, \"eog\"",
+           (("native/runtime/generation.py", "if is_eog:\n                return events, \"eog\"",
              "if False:\n                return events, \"eog\""),)),
     Mutant("draft-min-ignored", "--draft-min never drops a short draft",
-           (("native/core/step.py", "keep = n >= a.settings.draft_min", "keep = True"),)),
+           (("native/runtime/step.py", "keep = n >= a.settings.draft_min", "keep = True"),)),
     Mutant("per-pos-exactly", "accepted_per_pos counts steps accepting exactly i+1, not at least i+1",
            (("native/core/accept.py", "at_least = np.cumsum(counts[::-1])[::-1]", "at_least = counts"),)),
     Mutant("record-after-decode", "tokens recorded after llama_decode returns, and truncate trusts the list "
@@ -87,7 +87,7 @@ MUTANTS = [
              "        held = len(self.tokens)\n        if held < len(self.tokens):"))),
     Mutant("split-verify", "a verify batch larger than n_batch is split and only its last chunk's rows read "
                            "(defect 2)",
-           (("native/core/engine.py", "n_batch=max(n_batch, rows)", "n_batch=n_batch"),
+           (("native/runtime/engine.py", "n_batch=max(n_batch, rows)", "n_batch=n_batch"),
             ("native/llama/ffi.py", 'if logits == "all" and n > self.n_batch:', "if False:"))),
     Mutant("wide-vocab-stop", "the draft samples its whole vocabulary and stops on an id the target lacks "
                               "(defect 3: the stop depends on the sampled value)",
@@ -102,7 +102,7 @@ MUTANTS = [
            (("native/core/stats.py", "        if n_kept < len(step.emitted):\n", "        if True:\n"),)),
     Mutant("controller-peeks", "the step's outcome seen before choosing: a sequence whose first draft was rejected "
                                "has its step taken back and decoded plain (the draft length chosen after the verify)",
-           (("native/core/step.py",
+           (("native/runtime/step.py",
              "    logprobs = [logprobs_of(a.session, e, a.settings) for a, (e, _) in zip(asks, accepted)]\n",
              "    if any(d and len(e) == 1 for d, (e, _) in zip(drafts, accepted)):\n"
              "        for a in asks:\n"

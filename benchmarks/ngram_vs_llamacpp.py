@@ -26,8 +26,8 @@ from vs_llamacpp import DECODED
 
 from specq.native.commands.bench import BenchConfig, prompt_tokens
 from specq.native.commands.demo import demo_pair
-from specq.native.core.config import EngineConfig
-from specq.native.core.engine import Engine
+from specq.native.runtime.config import EngineConfig
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 
 

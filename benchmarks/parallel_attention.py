@@ -27,8 +27,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from deep_pair import pair  # noqa: E402
-from specq.native.core import engine as _engine  # noqa: E402
-from specq.native.core.engine import Engine  # noqa: E402
+from specq.native.runtime import engine as _engine  # noqa: E402
+from specq.native.runtime.engine import Engine  # noqa: E402
 
 
 def measure(target: Path, threads: int, n: int, depths: list[int], repeat: int) -> list[dict]:

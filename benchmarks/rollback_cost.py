@@ -1,7 +1,7 @@
 """Per-step cost of rolling a hybrid (qwen35) target back: llama.cpp's n_rs_seq snapshots vs a checkpoint copy.
 
 A speculative step on a hybrid target verifies [last, d1..dk] in one decode and, on a partial acceptance, drops
-the rejected tail. The engine does that one of two ways (native/core/engine.py `Memory`):
+the rejected tail. The engine does that one of two ways (native/runtime/engine.py `Memory`):
 
 - rollback: the context keeps n_rs_seq recurrent-state snapshots per decode, and `llama_memory_seq_rm` drops the
   tail (what specq does when the draft fits in n_rs_seq, 16 by default);

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from specq.native.commands.bench import DEFAULT_PROMPT  # noqa: E402
-from specq.native.core.engine import Engine  # noqa: E402
+from specq.native.runtime.engine import Engine  # noqa: E402
 from specq.native.core.settings import GenerationSettings  # noqa: E402
 
 _PORT = re.compile(r"on http://127\.0\.0\.1:(\d+)/v1")

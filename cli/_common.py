@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 
 from ..errors import ManifestError, SpecqError, UsageError
-from ..native.core.config import EngineConfig
+from ..native.runtime.config import EngineConfig
 from ..native.core.settings import GenerationSettings
 from .checks import check_finite, user_path
 
@@ -197,6 +197,10 @@ def check_manifest_settings(settings: dict, pair_dir: Path) -> None:
                 ok = value >= 16
             elif ok:
                 GenerationSettings(**{key: parse_draft_max(value) if key == "draft_max" else value}).validate()
+                if key == "drafter":
+                    from ..native.drafters.registry import parse_drafter
+
+                    parse_drafter(value)
         except UsageError:
             ok = False
         if not ok:
@@ -248,10 +252,12 @@ def engine_config(target: Path, draft: Path | None, settings: GenerationSettings
 def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_min, temp, top_k, top_p, min_p, seed,
                         accept, drafter="model", ngram_min=3, ngram_max=6) -> GenerationSettings:
     """The generation settings from the flags, with a pair manifest's suggestions where a flag was not given."""
+    from ..native.drafters.registry import parse_drafter
+
     check_finite(temp=temp, p_min=p_min, top_p=top_p, min_p=min_p)
     return GenerationSettings(
         n_predict=n_predict, draft_max=parse_draft_max(suggested.get("draft_max", draft_max)),
         draft_min=suggested.get("draft_min", draft_min), p_min=suggested.get("p_min", p_min), temp=temp,
         top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, accept=accept,
-        drafter=suggested.get("drafter", drafter), ngram_min=ngram_min,
+        drafter=",".join(parse_drafter(suggested.get("drafter", drafter))), ngram_min=ngram_min,
         ngram_max=ngram_max).validate()

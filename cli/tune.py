@@ -83,7 +83,9 @@ def main(
     if write and pair is None:
         raise UsageError("--write needs --pair: the result is stored in the pair's manifest")
     check_output_path("--json", json_out)
-    settings = GenerationSettings(draft_max=draft_max, drafter=drafter).validate()
+    from ..native.drafters.registry import parse_drafter
+
+    settings = GenerationSettings(draft_max=draft_max, drafter=",".join(parse_drafter(drafter))).validate()
     target, draft, _ = resolve_pair(pair, target, draft, click_ctx)
     target, draft = models_or_demo(target, draft)
     warn(pair_warning(target, draft), quiet)

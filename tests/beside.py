@@ -1,12 +1,12 @@
 """A generation stepped beside another sequence: the one-sequence tests' twins run their generation on sequence 1
 of an Engine(parallel=2) while a speculative neighbour on sequence 0 shares every step of it, so that each rule of
-the speculative step (core/step.py) is checked on its batched path too (benchmarks/mutations.py)."""
+the speculative step (runtime/step.py) is checked on its batched path too (benchmarks/mutations.py)."""
 
 from __future__ import annotations
 
-from specq.native.core import step as speculative
-from specq.native.core.batch import Batch
-from specq.native.core.generation import Generation
+from specq.native.runtime import step as speculative
+from specq.native.runtime.batch import Batch
+from specq.native.runtime.generation import Generation
 from specq.native.core.settings import GenerationSettings
 
 NEIGHBOUR = "Once upon a time, there"  # the tiny target runs 200 greedy tokens on from it without an EOG

@@ -9,7 +9,7 @@ import pytest
 
 import tinymodels
 
-import specq.native.core.generation as generation_mod
+import specq.native.runtime.generation as generation_mod
 import specq.native.drafters.window as window_mod
 from specq.errors import UsageError
 from specq.native.control.length import NEAR_BEST, REACH_STEP, AdaptiveDraft
@@ -17,7 +17,7 @@ from specq.native.control.step import StepOutcome
 from specq.native.control.window import paired_acceptance, window_pays, window_pays_at
 from specq.native.core.settings import (AGREE_TOKENS, AUTO_DRAFT_CAP, DRAFT_SINK, WINDOW_PROBATION, WINDOW_TRIAL,
                                         GenerationSettings)
-from specq.native.core.engine import Engine, SimulatedClock
+from specq.native.runtime.engine import Engine, SimulatedClock
 
 
 def simulate(alpha: float, draft_ms: float, verify_ms, steps: int = 300, seed: int = 0):

@@ -10,7 +10,7 @@ import pytest
 from specq.native.control.length import AdaptiveDraft
 from specq.native.control.step import StepOutcome
 from specq.native.core.accept import expected_acceptance, overlap, rejection_emit
-from specq.native.core.engine import Engine, SimulatedClock
+from specq.native.runtime.engine import Engine, SimulatedClock
 from specq.native.core.sampling import SparseDist
 from specq.native.core.settings import GenerationSettings
 from test_adaptive import context_costs, deep_target, first_step, long_prompt  # noqa: F401 (a fixture)

@@ -8,7 +8,7 @@ import pytest
 from specq.native.control.chooser import AdaptiveDrafters
 from specq.native.control.length import AdaptiveDraft
 from specq.native.control.step import StepOutcome
-from specq.native.core.engine import Engine, SimulatedClock
+from specq.native.runtime.engine import Engine, SimulatedClock
 from specq.native.core.settings import GenerationSettings
 from test_adaptive import cpu_like_costs
 

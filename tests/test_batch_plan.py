@@ -12,8 +12,8 @@ from specq.native.control.batch_plan import LONE_PLAIN, BatchPlanner, Wish
 from specq.native.control.expected import expected_tokens
 from specq.native.control.length import AdaptiveDraft
 from specq.native.control.step import StepOutcome
-from specq.native.core.batch import Batch
-from specq.native.core.engine import Engine, SimulatedClock
+from specq.native.runtime.batch import Batch
+from specq.native.runtime.engine import Engine, SimulatedClock
 from specq.native.core.settings import GenerationSettings
 from test_parallel import alone
 

@@ -16,9 +16,9 @@ from specq.cli.bench import cost_line, histogram, parse_list, recommendation_lin
 from specq.cli.main import app
 from specq.errors import UsageError
 from specq.native.commands.bench import CSV_COLUMNS, load_prompt_set
-from specq.native.core.config import EngineConfig
+from specq.native.runtime.config import EngineConfig
 from specq.native.core.stats import GenerationStats
-from specq.native.core.engine import ModelInfo
+from specq.native.runtime.engine import ModelInfo
 
 runner = CliRunner()
 
@@ -270,7 +270,7 @@ def test_a_divergence_is_located_and_judged_by_the_target_logit_margin(tiny_targ
     import numpy as np
 
     from specq.cli.bench import divergence_lines
-    from specq.native.core.engine import Engine
+    from specq.native.runtime.engine import Engine
     from specq.native.core.settings import GenerationSettings
 
     with Engine(tiny_target, None, ctx=256, threads=1) as eng:

@@ -9,7 +9,7 @@ import pytest
 from specq.errors import ContextFullError, SpecqError, UsageError
 from specq.native.commands.chat import (AnswerProgress, ChatSession, Command, RateWindow, Totals, apply_setting,
                                         health_hint, panel_data, parse_command, reusable_prefix)
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from specq.native.core.stats import TokenEvent
 from specq.native.serving.template import load_template

@@ -7,7 +7,7 @@ import json
 import pexpect
 
 from cli_bin import SPECQ
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 
 

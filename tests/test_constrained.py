@@ -11,9 +11,9 @@ import json
 import numpy as np
 import pytest
 
-from specq.native.core.batch import Batch
+from specq.native.runtime.batch import Batch
 from specq.native.core.constraint import Constraint, compile_constraint
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from specq.native.llama import ffi as _ffi
 from stats import chi2_pvalue

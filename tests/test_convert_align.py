@@ -10,7 +10,7 @@ from specq.convert.pipeline import convert_pair
 from specq.errors import IncompatibleDraftError
 from specq.native.llama import ffi as _ffi
 from specq.native.core.compat import VocabInfo, check_compatible
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 
 TARGET = HFSpec(arch="Qwen2ForCausalLM", extra_rows=24, seed=10)

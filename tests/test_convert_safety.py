@@ -16,7 +16,7 @@ from specq.convert import pipeline, writer
 from specq.manifest import MANIFEST_NAME, load_pair
 from specq.errors import ConversionError, ManifestError
 from specq.native.llama import ffi as _ffi
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 
 SPEC = HFSpec(arch="Qwen2ForCausalLM", n_layer=1)

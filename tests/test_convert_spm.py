@@ -16,7 +16,7 @@ from specq.convert.pipeline import convert_pair
 from specq.errors import ConversionError, IncompatibleDraftError
 from specq.native.llama import ffi as _ffi
 from specq.native.core.compat import VocabInfo, check_compatible
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 
 TEXTS = [

@@ -1,15 +1,15 @@
 """Draft counts: every draft token the target verified counts as drafted (llama.cpp's n_drafted), except past the
 point where the generation ended inside a step; accept_rate = accepted ÷ drafted, alpha = accepted ÷ positions
-reached. The expected counts come from each step as the target verified it (a spy on the speculative step, core/step.py), not from
+reached. The expected counts come from each step as the target verified it (a spy on the speculative step, runtime/step.py), not from
 the counting code."""
 
 from __future__ import annotations
 
 import pytest
 
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
-from specq.native.core import step as speculative
+from specq.native.runtime import step as speculative
 from beside import Pair, beside, spy_steps
 from tinymodels import write_tiny_gguf
 

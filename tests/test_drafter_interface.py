@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from specq.cli.app import app
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.memory import Memory, common_prefix
 from specq.native.core.settings import GenerationSettings
 from specq.native.drafters import registry
@@ -102,7 +102,7 @@ def test_an_unregistered_drafter_is_one_actionable_error(tiny_target):
 def test_a_registered_drafter_serves_a_request_exactly(toy, tiny_target):
     pytest.importorskip("prometheus_client")
     from serve_proc import serve_in_process
-    from specq.native.core.config import EngineConfig
+    from specq.native.runtime.config import EngineConfig
 
     prompt = {"prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0}
     answers = serve_in_process(EngineConfig(str(tiny_target), None, ctx=512, threads=1),

@@ -7,7 +7,7 @@ import pytest
 
 from specq.errors import ContextFullError, IncompatibleDraftError, UsageError
 from specq.native.core.settings import DRAFT_SINK, MIN_DRAFT_WINDOW, GenerationSettings
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 
 PROMPTS = [
     "def fibonacci(n):",

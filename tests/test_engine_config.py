@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 import specq.native.commands.bench as bench_lib
 from specq.cli._common import engine_config
 from specq.cli.main import app
-from specq.native.core.config import EngineConfig
-from specq.native.core.engine import Engine
+from specq.native.runtime.config import EngineConfig
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from test_bench_sweep import FakeEngine
 

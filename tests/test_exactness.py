@@ -8,7 +8,7 @@ import pytest
 
 import tinymodels
 from specq.native.llama import ffi as _ffi
-from specq.native.core.engine import Engine, SimulatedClock
+from specq.native.runtime.engine import Engine, SimulatedClock
 from specq.native.core.settings import GenerationSettings
 from beside import beside, spy_steps
 from stats import chi2_pvalue

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specq.native.core import step as speculative
-from specq.native.core.engine import Engine, SimulatedClock
+from specq.native.runtime import step as speculative
+from specq.native.runtime.engine import Engine, SimulatedClock
 from specq.native.core.settings import GenerationSettings
 
 PROMPT = "def fibonacci(n):"

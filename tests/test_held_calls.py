@@ -8,7 +8,7 @@ import threading
 
 import llama_cpp.llama_cpp as C
 
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.llama import held
 
 

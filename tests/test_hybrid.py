@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from tinymodels import SPECIALS, vocab
 

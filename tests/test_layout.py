@@ -24,11 +24,20 @@ def module_name(f: Path) -> str:
     return ".".join(("specq",) + (parts[:-1] if parts[-1] == "__init__" else parts))
 
 
-def imported_modules(f: Path) -> set[str]:
-    """Every module `f` imports, relative imports resolved (and `from X import name` as X.name too)."""
+def imported_modules(f: Path, executed: bool = False) -> set[str]:
+    """Every module `f` imports, relative imports resolved (and `from X import name` as X.name too); `executed`:
+    less those under `if TYPE_CHECKING:` (annotations only: they run nothing)."""
     package = module_name(f) if f.name == "__init__.py" else module_name(f).rsplit(".", 1)[0]
+    tree = ast.parse(f.read_text(encoding="utf-8"))
+    if executed:
+        for node in ast.walk(tree):
+            for field in ("body", "orelse"):
+                block = getattr(node, field, None)
+                if isinstance(block, list):
+                    setattr(node, field, [n for n in block if not (isinstance(n, ast.If)
+                                                                   and "TYPE_CHECKING" in ast.unparse(n.test))])
     out = set()
-    for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -78,7 +87,7 @@ def test_nothing_under_native_imports_convert():
     assert not offenders, offenders
 
 
-@pytest.mark.parametrize("layer", ["native/core", "native/drafters", "native/control"])
+@pytest.mark.parametrize("layer", ["native/core", "native/runtime", "native/drafters", "native/control"])
 def test_the_speculative_core_never_imports_the_server_or_the_commands(layer):
     """The core, its drafters and controllers look down only: never at the server, placement, the VRAM planner,
     chat or the other per-command libraries (native/commands), nor the CLI."""
@@ -146,3 +155,49 @@ def test_the_roots_modules_import_none_of_the_folders():
     folders = tuple(f"specq.{d}" for d in PACKAGE_DIRS)
     found = {f.name: sorted(m for m in imported_modules(f) if m.startswith(folders)) for f in ROOT.glob("*.py")}
     assert {name: mods for name, mods in found.items() if mods} == {}
+
+
+def folder(module: str) -> str:
+    """A module's folder: native's sub-packages each one, the root's modules one."""
+    parts = module.split(".")[1:]
+    if parts[:1] == ["native"] and len(parts) > 1 and (ROOT / "native" / parts[1]).is_dir():
+        return f"native/{parts[1]}"
+    return parts[0] if parts and parts[0] in PACKAGE_DIRS else "root"
+
+
+def folder_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for f in package_files():
+        a = folder(module_name(f))
+        for m in imported_modules(f, executed=True):
+            if m.startswith("specq.") and folder(m) != a:
+                graph.setdefault(a, set()).add(folder(m))
+    return graph
+
+
+def test_no_import_circle_between_folders():
+    """Counted by folder (the root's modules one), lazy imports included and TYPE_CHECKING ones not, no two
+    folders reach each other: primitives (core) below the drafters, the runtime above them, and so on up to the
+    CLI, each layer readable and testable from below."""
+    graph = folder_graph()
+
+    def reach(a: str) -> set[str]:
+        seen, todo = set(), [a]
+        while todo:
+            for b in graph.get(todo.pop(), ()):
+                if b not in seen:
+                    seen.add(b)
+                    todo.append(b)
+        return seen
+
+    circles = sorted({tuple(sorted((a, b))) for a in graph for b in reach(a) if a in reach(b) and a != b})
+    assert circles == []
+    assert "native/runtime" in reach("cli") and "native/drafters" in reach("native/runtime")  # the graph is real
+
+
+def test_the_drafters_never_import_the_runtime():
+    offenders = {f.relative_to(ROOT).as_posix(): sorted(m for m in imported_modules(f, executed=True)
+                                                       if m.startswith("specq.native.runtime"))
+                 for f in package_files() if under(f, "native/drafters") or under(f, "native/core")
+                 or under(f, "native/control")}
+    assert not {f: m for f, m in offenders.items() if m}

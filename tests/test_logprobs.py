@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from llama_cpp import Llama
 
-from specq.native.core.batch import Batch
-from specq.native.core.engine import Engine
+from specq.native.runtime.batch import Batch
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 
 PROMPT = "def fibonacci(n):"

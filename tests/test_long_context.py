@@ -10,7 +10,7 @@ import pytest
 from loglines import LogLines
 from specq.errors import UsageError
 from specq.native.llama import ffi as _ffi
-from specq.native.core.config import choose_flash_attn
+from specq.native.runtime.config import choose_flash_attn
 
 
 def test_auto_turns_flash_attention_off_on_the_cpu_and_leaves_gpus_to_llama_cpp():
@@ -54,7 +54,7 @@ def test_the_attention_path_reaches_llama_cpp(tiny_target, flag, shown):
 @pytest.fixture
 def contexts_seen(monkeypatch) -> list[tuple[str, str]]:
     """(name, flash_attn) of every llama.cpp context the engine creates while the test runs."""
-    from specq.native.core import engine
+    from specq.native.runtime import engine
 
     seen = []
     real = engine._ffi.Context
@@ -85,7 +85,7 @@ def test_bench_records_the_attention_path_of_each_model(tiny_target, tiny_close,
 
 
 def test_the_engine_applies_the_same_rule_when_called_directly(tiny_target, tiny_close, contexts_seen):
-    from specq.native.core import engine
+    from specq.native.runtime import engine
 
     seen = contexts_seen
     with engine.Engine(tiny_target, tiny_close, ctx=128, threads=1):

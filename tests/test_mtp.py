@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from specq.cli.app import app
 from specq.errors import ModelFileError
 from specq.native.llama import ffi as _ffi
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from beside import Pair
 from stats import chi2_pvalue

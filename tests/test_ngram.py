@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from specq.cli.main import app
 from specq.errors import UsageError
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from specq.native.drafters.ngram import propose
 from specq.native.drafters.registry import parse_drafter
@@ -64,6 +64,20 @@ def test_parse_drafter_orders_ngram_first_and_refuses_the_rest():
             parse_drafter(bad)
     with pytest.raises(UsageError, match="--ngram-min"):
         GenerationSettings(ngram_min=4, ngram_max=3).validate()
+
+
+def test_settings_carry_the_names_as_written_and_a_generation_gets_them_checked_and_ordered(tiny_target):
+    """The settings (core/) know no drafter: --drafter's names are checked and put in the order each step tries
+    them where they meet the drafters; Session.generate does it for a library user."""
+    s = GenerationSettings(drafter="model, ngram", n_predict=4)
+    assert s.validate().drafters == ("model", "ngram")
+    with Engine(tiny_target, tiny_target, ctx=128, threads=1) as e:
+        toks = e.tokenize(PROMPTS[0])
+        assert e.session().generate(toks, s).settings.drafters == ("ngram", "model")
+        with pytest.raises(UsageError, match="--drafter must be"):
+            e.session().generate(toks, GenerationSettings(drafter="ngram,bogus"))
+    with pytest.raises(UsageError, match="--drafter"):
+        GenerationSettings(drafter=" , ").validate()
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model,ngram"])
@@ -155,7 +169,7 @@ def test_ngram_alone_under_auto_length_is_priced_as_a_lookup_with_a_draft_model_
     # the prefill's timing of the model (3 ms against the target's 10) and the model's share of the target's bytes
     # as the prior; it drafted 18 tokens in 200. A lookup costs next to nothing (registry.cost_priors), so it drafts
     # wherever the text repeats.
-    from specq.native.core.engine import SimulatedClock
+    from specq.native.runtime.engine import SimulatedClock
     from test_adaptive import cpu_like_costs
 
     clock = SimulatedClock(cpu_like_costs(target_one_ms=10.0, draft_ms=3.0))

@@ -1,4 +1,4 @@
-"""Several sequences decoded together (Engine(parallel=N), core/batch.py): each sequence's output is its own run
+"""Several sequences decoded together (Engine(parallel=N), runtime/batch.py): each sequence's output is its own run
 alone, its sampling law is the target's while others are decoded beside it, and the verify of several sequences
 is one llama_decode."""
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from specq.errors import UsageError
-from specq.native.core.batch import Batch
-from specq.native.core.config import kv_streams
-from specq.native.core.engine import Engine
+from specq.native.runtime.batch import Batch
+from specq.native.runtime.config import kv_streams
+from specq.native.runtime.engine import Engine
 from specq.native.core.memory import common_prefix
 from specq.native.core.settings import GenerationSettings
 from specq.native.llama import ffi as _ffi
@@ -56,7 +56,7 @@ def test_a_waves_prompts_are_evaluated_in_one_decode_and_each_answer_is_its_own(
         toks = [e.tokenize(p) for p in (PROMPTS[0], PROMPTS[2], PROMPTS[3])]
     prompts, lengths = [t[:min(map(len, toks))] for t in toks], [20, 16, 24]
     want = alone(tiny_target, prompts, lengths)
-    monkeypatch.setattr("specq.native.core.engine.kv_streams", lambda *a: not unified)
+    monkeypatch.setattr("specq.native.runtime.engine.kv_streams", lambda *a: not unified)
     with Engine(tiny_target, tiny_close, ctx=256, threads=1, parallel=4) as e:
         ctx = e.tgt_ctx
         assert ctx.unified == unified

@@ -12,7 +12,7 @@ from specq.cli.main import app
 from specq.errors import PlanError, UsageError
 from specq.native.llama import ffi as _ffi
 from specq.native.commands import placement as PL
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 
 from test_plan import write_qwen2_header

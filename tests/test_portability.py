@@ -216,7 +216,7 @@ def test_cpu_amx_flag_reaches_the_engine(tiny_target, tiny_close, monkeypatch):
     from typer.testing import CliRunner
 
     from specq.cli.main import app
-    from specq.native.core import engine
+    from specq.native.runtime import engine
 
     seen = []
     real = engine._ffi.Model

@@ -7,7 +7,7 @@ import pytest
 
 from specq.errors import UsageError
 from specq.native.core.accept import rejection_emit
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from specq.native.core.sampling import SparseDist, Transform, sample
 from stats import chi2_pvalue, chi2_sf

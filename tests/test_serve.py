@@ -91,9 +91,9 @@ def test_a_request_may_pick_the_ngram_drafter(server):
 def test_metrics_count_every_draft_token_the_target_verified(server, tiny_target, tiny_close, monkeypatch):
     """/metrics' llamacpp:spec_decode_num_draft_tokens_total counts what llama-server counts: every draft token
     verified. The reference: the same request run in this process, with each step's verified drafts summed."""
-    from specq.native.core.engine import Engine
+    from specq.native.runtime.engine import Engine
     from specq.native.core.settings import GenerationSettings
-    from specq.native.core import step as speculative
+    from specq.native.runtime import step as speculative
 
     prompt, n = PROMPTS[2], 40
     verified, real = [], speculative.step

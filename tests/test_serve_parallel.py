@@ -179,7 +179,7 @@ def test_a_long_prompt_joins_in_chunks_and_every_answer_stays_exact(server):
 
 
 def test_max_queue_counts_the_requests_waiting_for_a_free_sequence(tiny_target):
-    from specq.native.core.engine import Engine
+    from specq.native.runtime.engine import Engine
     from specq.native.core.settings import GenerationSettings
     from specq.native.serving.metrics import ServerMetrics
     from specq.native.serving.scheduler import Scheduler

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
-from specq.native.core.engine import Engine  # noqa: E402
+from specq.native.runtime.engine import Engine  # noqa: E402
 from specq.native.core.settings import GenerationSettings  # noqa: E402
 from specq.native.serving.api import ApiError, Limits, parse_json, parse_request, settings_for  # noqa: E402
 from specq.native.serving.metrics import ServerMetrics  # noqa: E402
@@ -169,7 +169,7 @@ def test_the_shared_prefix_is_not_decoded_again(worker):
 def test_the_first_token_is_sent_before_the_draft_reads_the_prompt(worker, monkeypatch):
     """A served request's first token goes out before the draft model reads the prompt (off the path to it), as
     Generation.__iter__ does: the read comes after the step's text is sent, not between the step and the send."""
-    from specq.native.core.session import Session
+    from specq.native.runtime.session import Session
 
     order, real = [], Session.prefill_reader
 
@@ -291,7 +291,7 @@ def test_a_served_request_computes_only_on_the_thread_that_loaded_the_models(tin
 
     from serve_proc import serve_in_process
     from specq.native.llama import ffi as _ffi
-    from specq.native.core.config import EngineConfig
+    from specq.native.runtime.config import EngineConfig
 
     calls: list[tuple[str, int]] = []
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from specq.native.llama import ffi as _ffi
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from stats import chi2_pvalue
 from test_exactness import assert_consistent, target_law

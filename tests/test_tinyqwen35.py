@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specq.native.llama import ffi as _ffi
-from specq.native.core.engine import Engine
+from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from tinymodels import TinyQwen35Spec, write_tiny_qwen35
 

@@ -14,9 +14,9 @@ from ... import __version__
 from ...errors import UsageError, check_text
 from ..llama import ffi as _ffi
 from ..control.report import pool
-from ..core.config import EngineConfig
-from ..core.engine import Engine
-from ..core.generation import Generation
+from ..runtime.config import EngineConfig
+from ..runtime.engine import Engine
+from ..runtime.generation import Generation
 from ..core.settings import GenerationSettings
 from ..core.stats import GenerationStats
 from ..drafters.registry import speculates

@@ -17,8 +17,8 @@ from typing import Callable, Iterator
 
 from ... import __version__
 from ...errors import ContextFullError, UsageError, check_text
-from ..core.config import EngineConfig
-from ..core.engine import Engine
+from ..runtime.config import EngineConfig
+from ..runtime.engine import Engine
 from ..core.settings import GenerationSettings
 from ..core.stats import GenerationStats, Rates, TokenEvent
 from ..drafters.registry import speculates

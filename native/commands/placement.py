@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from ...errors import UsageError
-from ..core.config import choose_flash_attn
+from ..runtime.config import choose_flash_attn
 from ..llama import ffi as _ffi
 
 log = logging.getLogger("specq.placement")

@@ -11,7 +11,7 @@ This is above what llama.cpp reports for Qwen2.5 0.5B-32B at n_ubatch 512 with f
 Sliding-window layers (Gemma 3's local layers) hold pad256(min(n_ctx, window + n_ubatch)) positions, not n_ctx:
 specq creates its contexts with llama.cpp's small SWA cache (swa_full off; native/llama/ffi.py Context).
 Hybrid (qwen35) layers with linear attention hold a fixed F32 recurrent state instead of a KV cache; a target
-whose architecture allows it keeps 1 + ROLLBACK_SNAPSHOTS copies of it (llama.cpp's n_rs_seq, native/core/engine.py).
+whose architecture allows it keeps 1 + ROLLBACK_SNAPSHOTS copies of it (llama.cpp's n_rs_seq, native/runtime/engine.py).
 Placement follows llama.cpp: `n_gpu_layers = k` puts the output layer and the last k-1 blocks on the GPU
 (k = n_layer + 1 is everything); the token embeddings always stay on the CPU; each block's KV cache lives
 with the block. The draft is placed fully first, then as many target layers as fit; several devices are

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from ..control.expected import best_draft_length, ideal_speedup
-from ..core.engine import Engine
+from ..runtime.engine import Engine
 from ..core.settings import GenerationSettings
 
 log = logging.getLogger("specq.tune")

@@ -1,4 +1,4 @@
-"""The draft length of a step that carries several sequences (Engine(parallel=N), core/batch.py): one cost model for
+"""The draft length of a step that carries several sequences (Engine(parallel=N), runtime/batch.py): one cost model for
 the batch, each sequence's own acceptance.
 
 A batched step runs a draft decode per draft position over the sequences still drafting and ONE target decode of

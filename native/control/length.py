@@ -103,7 +103,7 @@ class AdaptiveDraft:
         """Seed n_ctx's band with a target decode of n_tokens (one token, or a batch priced as a verify of that
         size) and, for a single token, one draft token timed at that context. A draft decode of several tokens is
         kept in `draft_rows` (a sequence drafts one row a decode; a batch of sequences drafts one row each:
-        core/batch.py seeds its planner with these)."""
+        runtime/batch.py seeds its planner with these)."""
         if self.owns_target:
             self.target.calibrate(n_ctx, target_s, n_tokens)
         if n_tokens > 1:

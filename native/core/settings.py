@@ -54,10 +54,10 @@ class GenerationSettings:
 
     @property
     def drafters(self) -> tuple[str, ...]:
-        """The drafters in the order each step tries them (native/drafters/registry.py)."""
-        from ..drafters.registry import parse_drafter  # (the drafters import these settings)
-
-        return parse_drafter(self.drafter)
+        """--drafter's names as written (a comma list, or ("auto",)). Where they meet the drafters they are
+        checked and put in the order each step tries them (drafters/registry.py parse_drafter: at the CLI, the
+        API and Session.generate, which hands the generation its settings with the names in that order)."""
+        return tuple(x.strip() for x in str(self.drafter).split(",") if x.strip())
 
     @property
     def adaptive(self) -> bool:
@@ -99,7 +99,8 @@ class GenerationSettings:
             raise UsageError(f"--top-k must be >= 0 ({self.top_k}); 0 disables it")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise UsageError(f"logprobs must be between 0 and 20 ({self.logprobs})")
-        self.drafters  # noqa: B018 (raises on a bad --drafter)
+        if not self.drafters:
+            raise UsageError(f"--drafter must name a drafter, a comma list of them, or auto ({self.drafter})")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise UsageError(f"--ngram-min must be at least 1 and at most --ngram-max ({self.ngram_min}, "
                              f"{self.ngram_max})")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .step import StepResult
+    from ..runtime.step import StepResult
 
 
 @dataclass(frozen=True)

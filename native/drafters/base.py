@@ -31,8 +31,8 @@ from ..core.accept import top_probability
 from ..core.sampling import Sampling, SparseDist, restrict, sample
 
 if TYPE_CHECKING:
-    from ..core.engine import Engine
-    from ..core.session import Session
+    from ..runtime.engine import Engine
+    from ..runtime.session import Session
     from ..core.settings import GenerationSettings
 
 CATCHUP_SHORT = 2  # a catch-up of at most this many tokens is part of the first drafted token's cost
@@ -103,7 +103,7 @@ class Drafter:
     @classmethod
     def propose_batch(cls, asks: list[tuple[Drafter, int, GenerationSettings, Sampling]]) -> list[Proposal]:
         """Proposals of several sessions' drafters of this kind, one per (drafter, n_max, settings, sampling): a
-        batch of sequences drafts together (core/batch.py). By default one after another."""
+        batch of sequences drafts together (runtime/batch.py). By default one after another."""
         return [d.propose(n, s, samp) for d, n, s, samp in asks]
 
     def limit(self, n_max: int, s: GenerationSettings) -> int:

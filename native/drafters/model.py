@@ -15,8 +15,8 @@ from .base import CATCHUP_SHORT, Agreement, Drafter, Proposal, pick, pick_loop, 
 from .window import DraftWindow, agreeing
 
 if TYPE_CHECKING:
-    from ..core.engine import Engine
-    from ..core.session import Session
+    from ..runtime.engine import Engine
+    from ..runtime.session import Session
     from ..core.settings import GenerationSettings
 
 

@@ -20,8 +20,8 @@ from ..core.sampling import Sampling
 from .base import CATCHUP_SHORT, Drafter, Proposal, pick_loop, timed
 
 if TYPE_CHECKING:
-    from ..core.engine import Engine
-    from ..core.session import Session
+    from ..runtime.engine import Engine
+    from ..runtime.session import Session
     from ..core.settings import GenerationSettings
 
 FLUSH_ROWS = 256  # rows kept before the head catches up on committed positions (bounds memory on long prompts)

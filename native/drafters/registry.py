@@ -15,8 +15,8 @@ from .mtp import MtpDrafter
 from .ngram import NgramDrafter
 
 if TYPE_CHECKING:
-    from ..core.engine import Engine
-    from ..core.session import Session
+    from ..runtime.engine import Engine
+    from ..runtime.session import Session
 
 AUTO = "auto"  # --drafter auto: the adaptive controller chooses among the available drafters each step
 DRAFTERS: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, NgramDrafter, MtpDrafter)}

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from ...errors import SpecqError, UsageError
-from ..core.config import EngineConfig
+from ..runtime.config import EngineConfig
 from ..core.constraint import Constraint, ConstraintError, compile_constraint
-from ..core.engine import Engine
+from ..runtime.engine import Engine
 from ..core.settings import GenerationSettings
 from .api import (FINISH, ApiError, ApiRequest, Limits, ResponseIds, chunk, constraint_param, full_response,
                   parse_json, parse_request, settings_for, sse, usage_chunk)

@@ -15,8 +15,8 @@ from .logprob_wire import entry as logprob_entry
 from .outbox import Outbox
 
 if TYPE_CHECKING:
-    from ..core.generation import Generation
-    from ..core.session import Session
+    from ..runtime.generation import Generation
+    from ..runtime.session import Session
     from ..core.stats import TokenEvent
 
 log = logging.getLogger("specq.serve")

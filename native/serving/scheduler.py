@@ -1,5 +1,5 @@
 """The loop that drives the engine, for every --parallel N: continuous batching over N sequences of one engine (a
-Session each), stepped together (core/step.py: one target decode verifies every running sequence's drafts). The
+Session each), stepped together (runtime/step.py: one target decode verifies every running sequence's drafts). The
 server with one sequence is this loop with N = 1.
 
 It runs on the thread that loaded the models (the server's main thread): llama.cpp's CPU backend computes with GNU
@@ -29,15 +29,15 @@ import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..core.batch import Batch
+from ..runtime.batch import Batch
 from ..core.memory import common_prefix
 from ..drafters.registry import speculates
 from .api import Outcome
 from .request import Job, QueueFull, Running, reused_prefix
 
 if TYPE_CHECKING:
-    from ..core.engine import Engine
-    from ..core.session import Session
+    from ..runtime.engine import Engine
+    from ..runtime.session import Session
     from .metrics import ServerMetrics
 
 PREFILL_CHUNK = 256

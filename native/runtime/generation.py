@@ -8,12 +8,12 @@ from typing import Iterator, TYPE_CHECKING
 from ..control.chooser import AdaptiveDrafters
 from ..control.length import AdaptiveDraft
 from ..control.step import StepOutcome
+from ..core.accept import accepted_per_position
+from ..core.constraint import Guide
+from ..core.sampling import Sampling
+from ..core.settings import AGREE_TOKENS, GenerationSettings, WINDOW_PROBATION
+from ..core.stats import GenerationStats, Progress, TokenEvent
 from ..drafters import registry
-from .accept import accepted_per_position
-from .constraint import Guide
-from .sampling import Sampling
-from .settings import AGREE_TOKENS, GenerationSettings, WINDOW_PROBATION
-from .stats import GenerationStats, Progress, TokenEvent
 from . import step as speculative
 from .step import Ask, StepResult
 
@@ -141,10 +141,10 @@ class Generation:
         finally:
             self.conclude()
 
-    # ---- the loop's pieces: a batch of sequences (core/batch.py) runs them itself, one step for all ----
+    # ---- the loop's pieces: a batch of sequences (runtime/batch.py) runs them itself, one step for all ----
     def start(self, prepare: bool = True, joined: list | None = None) -> None:
         """Evaluate the prompt and get ready for the first step. `prepare` False (joining a batch that is not
-        drafting, core/batch.py): no calibration timings or prompt agreement, the prompt in one decode.
+        drafting, runtime/batch.py): no calibration timings or prompt agreement, the prompt in one decode.
         `joined`: the prompt's untimed end is left to the caller, for one decode with other prompts
         (Session.prefill_target); joined_prefill(seconds) follows it."""
         ses, s, p = self.session, self.settings, self._p
@@ -201,7 +201,7 @@ class Generation:
 
     def after_delivery(self, read: bool = True) -> None:
         """Once the first token is out: the draft's side of the prefill (_read_prompt); `read` False (a sequence
-        in a batch of several, core/batch.py): not now — its draft reads the prompt as a catch-up when the batch
+        in a batch of several, runtime/batch.py): not now — its draft reads the prompt as a catch-up when the batch
         first lets it draft, which at high load may be never."""
         if self._first and not self._done:
             self._first = False

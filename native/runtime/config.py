@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ...errors import UsageError
 from ..llama import ffi as _ffi
-from .settings import AUTO_DRAFT_CAP
+from ..core.settings import AUTO_DRAFT_CAP
 
 if TYPE_CHECKING:
     from .engine import Engine

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ...errors import UsageError
-from ..drafters.mtp import no_head_error
-from .config import choose_flash_attn, kv_streams, on_cpu
-from ..llama import ffi as _ffi
-from .compat import VocabInfo, check_compatible
-from .session import Session
 from ...machine import physical_cores
-from .settings import AGREE_TOKENS, AUTO_DRAFT_CAP, DRAFT_MAX_CAP, MIN_DRAFT_WINDOW
+from ..core.compat import VocabInfo, check_compatible
+from ..core.settings import AGREE_TOKENS, AUTO_DRAFT_CAP, DRAFT_MAX_CAP, MIN_DRAFT_WINDOW
+from ..drafters.mtp import no_head_error
+from ..llama import ffi as _ffi
+from .config import choose_flash_attn, kv_streams, on_cpu
+from .session import Session
 
 
 class SimulatedClock:
@@ -77,7 +77,7 @@ class Engine:
         (after the history's first DRAFT_SINK); None or 0: the whole context; "auto": the whole context, or a
         window of WINDOW_TRIAL tokens where a session measures that it pays (greedy, --draft-max auto).
         `parallel`: sequences held at once (`session(seq)` for each), `ctx` tokens each, in one cache per model, so
-        that one decode can carry rows of several (core/batch.py), the MTP head's too; more than one turns the
+        that one decode can carry rows of several (runtime/batch.py), the MTP head's too; more than one turns the
         window trials off."""
         if parallel < 1:
             raise UsageError(f"--parallel must be at least 1 ({parallel})")

@@ -16,12 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..core.accept import expected_acceptance, greedy_emit, rejection_emit
+from ..core.logprobs import TokenLogprob, token_logprobs
+from ..core.memory import extend_many
+from ..core.sampling import Sampling
+from ..core.settings import GenerationSettings
 from ..drafters.base import CatchUp, Drafter, Proposal
-from .accept import expected_acceptance, greedy_emit, rejection_emit
-from .logprobs import TokenLogprob, token_logprobs
-from .memory import extend_many
-from .sampling import Sampling
-from .settings import GenerationSettings
 
 if TYPE_CHECKING:
     from .session import Session

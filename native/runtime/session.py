@@ -1,21 +1,21 @@
 """One conversation: the token history, the target's memory, its drafters, prefill and rollback (the speculative
-step is core/step.py's, for one sequence or several)."""
+step is runtime/step.py's, for one sequence or several)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, TYPE_CHECKING
 
 import numpy as np
 
 from ...errors import ContextFullError, UsageError
+from ..core.accept import overlap
+from ..core.memory import Memory, common_prefix
+from ..core.sampling import Transform, restrict
+from ..core.settings import AGREE_MIN, GenerationSettings
 from ..drafters import registry
 from ..drafters.base import Agreement, Drafter
-from .accept import overlap
 from .generation import Generation, new_controller
-from .memory import Memory, common_prefix
-from .sampling import Transform, restrict
-from .settings import AGREE_MIN, GenerationSettings
 
 READ_TIMED_MIN = 16  # a read of the prompt this long or longer prices the reader's catch-up (Session.read_timing)
 
@@ -169,7 +169,7 @@ class Session:
         generation can take its first token (a plain step) before the reader reads the prompt
         (prefill_reader), so that the draft's side of the prefill stays off the path to the first token.
         `joined`: the tokens after the timed spans are not decoded but appended to it as (memory, tokens, "none"),
-        for one decode with other sequences' prompts (memory.extend_many; core/batch.py)."""
+        for one decode with other sequences' prompts (memory.extend_many; runtime/batch.py)."""
         if not new_tokens:
             raise UsageError("empty prompt; give some text to start from")
         total = len(self.history) + len(new_tokens)
@@ -272,7 +272,12 @@ class Session:
             self.agreement = got
 
     def generate(self, new_tokens: list[int], settings: GenerationSettings, speculative: bool = True) -> Generation:
-        settings.validate()
+        """A generation of `new_tokens` after the history; its settings' drafters checked against the registry
+        and this engine, and listed in the order each step tries them."""
+        settings = settings.validate()
+        ordered = ",".join(registry.parse_drafter(settings.drafter))
+        if ordered != settings.drafter:
+            settings = replace(settings, drafter=ordered)
         if speculative:
             registry.check(self.engine, settings.drafters)
         return Generation(self, new_tokens, settings, speculative)

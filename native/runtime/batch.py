@@ -1,5 +1,5 @@
 """Generations on several sequences of one engine (Engine(parallel=N), a Session each), stepped together: each
-step is core/step.py's one step over every live sequence, with the batch's draft lengths (control/batch_plan.py).
+step is runtime/step.py's one step over every live sequence, with the batch's draft lengths (control/batch_plan.py).
 The rewind is each generation's own (`Generation.take`), one sequence at a time (`seq_rm` on its sequence id).
 """
 
@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from ..control.batch_plan import BatchPlanner, Wish
 from ..control.chooser import AdaptiveDrafters
-from .memory import extend_grouped
-from .stats import TokenEvent
+from ..core.memory import extend_grouped
+from ..core.stats import TokenEvent
 from . import step as speculative
 from .step import Ask
 
