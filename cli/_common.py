@@ -255,9 +255,11 @@ def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_m
     from ..native.drafters.registry import parse_drafter
 
     check_finite(temp=temp, p_min=p_min, top_p=top_p, min_p=min_p)
+    drafter = suggested.get("drafter", drafter)
+    parse_drafter(drafter)  # a bad --drafter fails here, before a model loads (Session.generate orders the names)
     return GenerationSettings(
         n_predict=n_predict, draft_max=parse_draft_max(suggested.get("draft_max", draft_max)),
         draft_min=suggested.get("draft_min", draft_min), p_min=suggested.get("p_min", p_min), temp=temp,
         top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, accept=accept,
-        drafter=",".join(parse_drafter(suggested.get("drafter", drafter))), ngram_min=ngram_min,
+        drafter=drafter, ngram_min=ngram_min,
         ngram_max=ngram_max).validate()

@@ -85,7 +85,8 @@ def main(
     check_output_path("--json", json_out)
     from ..native.drafters.registry import parse_drafter
 
-    settings = GenerationSettings(draft_max=draft_max, drafter=",".join(parse_drafter(drafter))).validate()
+    parse_drafter(drafter)  # a bad --drafter fails here, before a model loads
+    settings = GenerationSettings(draft_max=draft_max, drafter=drafter).validate()
     target, draft, _ = resolve_pair(pair, target, draft, click_ctx)
     target, draft = models_or_demo(target, draft)
     warn(pair_warning(target, draft), quiet)

@@ -1,7 +1,7 @@
 """Draft counts: every draft token the target verified counts as drafted (llama.cpp's n_drafted), except past the
 point where the generation ended inside a step; accept_rate = accepted ÷ drafted, alpha = accepted ÷ positions
-reached. The expected counts come from each step as the target verified it (a spy on the speculative step, runtime/step.py), not from
-the counting code."""
+reached. The expected counts come from each step as the target verified it (a spy on the speculative step,
+runtime/step.py), not from the counting code."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 
 from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
-from specq.native.runtime import step as speculative
 from beside import Pair, beside, spy_steps
 from tinymodels import write_tiny_gguf
 
@@ -26,16 +25,9 @@ def tiny_contrary(models_dir, tiny_target):
 
 @pytest.fixture
 def steps_seen(monkeypatch):
-    """Each step's (tokens drafted and verified, tokens emitted), as the speculative step returned it."""
-    seen, real = [], speculative.step
-
-    def spy(asks):
-        steps = real(asks)
-        seen.extend((s.n_drafted, len(s.emitted)) for s in steps)
-        return steps
-
-    monkeypatch.setattr(speculative, "step", spy)
-    return seen
+    """Each step's (tokens drafted and verified, tokens emitted), as the speculative step returned it (one
+    sequence: sequence 0)."""
+    return spy_steps(monkeypatch, 0)
 
 
 def test_a_draft_never_accepted_counts_every_token_it_drafted(tiny_target, tiny_contrary, steps_seen):
