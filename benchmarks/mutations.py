@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_exactness.py", "tests/test_rejection.py", "tests/test_engine.py", "tests/test_accept.py",
          "tests/test_tinyqwen35.py", "tests/test_hybrid.py", "tests/test_swa.py", "tests/test_mtp.py",
          "tests/test_counts.py", "tests/test_parallel.py", "tests/test_logprobs.py",
-         "tests/test_batch_plan.py", "tests/test_constrained.py", "tests/test_serve_tools_e2e.py"]
+         "tests/test_batch_plan.py", "tests/test_constrained.py", "tests/test_serve_tools_e2e.py",
+         "tests/test_drafter_interface.py"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,15 @@ MUTANTS = [
            (("native/core/logprobs.py", "    x = row.astype(np.float64)\n", "    x = row.astype(np.float64) / 1.5\n"),)),
     Mutant("logprobs-row-shift", "a token's logprobs read from the row after the one that chose it",
            (("native/core/logprobs.py", "zip(rows, emitted)", "zip(np.roll(rows, -1, axis=0), emitted)"),)),
+    Mutant("end-untold", "the drafters are not told a generation ended (Drafter.ended): a store across "
+                         "requests learns nothing, a window on probation is never settled",
+           (("native/runtime/generation.py",
+             '                d.ended(self.new_tokens, self.tokens, interrupted=stop == "interrupted")\n',
+             "                pass\n"),)),
+    Mutant("resources-unshared", "each session's drafter opens its engine resource anew instead of the one the "
+                                 "engine provides (Drafter.shared)",
+           (("native/drafters/base.py", "        return self.session.engine.provided.get(self.name)\n",
+             "        return type(self).provide(self.session.engine)\n"),)),
     Mutant("named-choice-repeats", "a named tool_choice lets the call grammar repeat (parallel_tool_calls' default "
                                    "kept): the answer may hold several calls",
            (("native/serving/tools.py", 'parallel is not False and kind != "function")', "parallel is not False)"),)),

@@ -60,3 +60,8 @@ def spy_steps(monkeypatch, seq: int) -> list[tuple[int, int]]:
 
     monkeypatch.setattr(speculative, "step", spy)
     return seen
+
+
+def draft_memory(ses):
+    """A session's draft-model memory (the model drafter's)."""
+    return ses.drafters["model"].memory

@@ -99,11 +99,13 @@ def http(url: str, body: bytes | dict | None = None, api_key: str | None = None,
         return e.code, e.read()
 
 
-def serve_in_process(engine, bodies: list[dict], defaults, concurrent: bool = False) -> list[tuple[int, bytes]]:
+def serve_in_process(engine, bodies: list[dict], defaults, concurrent: bool = False,
+                     before: list[dict] = ()) -> list[tuple[int, bytes]]:
     """`specq serve`'s library in this process on a free loopback port: the models load and compute on this
     thread (as in the real server's main thread) while a client thread posts each body to /v1/completions, then
-    SIGTERM drains and stops it. `engine`: an EngineConfig. Returns each answer's (status, body); `concurrent`:
-    all bodies posted at once, from a thread each."""
+    SIGTERM drains and stops it. `engine`: an EngineConfig. Returns each answer's (status, body), those of
+    `before` first (posted one after another ahead of `bodies`); `concurrent`: `bodies` posted at once, from a
+    thread each."""
     import os
     import threading
 
@@ -116,6 +118,8 @@ def serve_in_process(engine, bodies: list[dict], defaults, concurrent: bool = Fa
     def client() -> None:
         try:
             assert ready.wait(120)
+            for body in before:
+                answers.append(http(f"{url}/v1/completions", body, timeout=120))
             if concurrent:
                 from concurrent.futures import ThreadPoolExecutor
 

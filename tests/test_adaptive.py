@@ -11,6 +11,7 @@ import tinymodels
 
 import specq.native.runtime.generation as generation_mod
 import specq.native.drafters.window as window_mod
+from beside import draft_memory
 from specq.errors import UsageError
 from specq.native.control.length import NEAR_BEST, REACH_STEP, AdaptiveDraft
 from specq.native.control.step import StepOutcome
@@ -360,7 +361,7 @@ def test_at_long_context_a_draft_window_is_taken_where_it_is_faster(recent_pair)
         assert trial.n_trials == 1 and ses.reader.window == WINDOW_TRIAL and trial.on_probation() is not None
         assert snap.n_drafted > 0 and snap.n_plain_steps == 0
         assert ses.reader.n_slides == 0  # the trial's memory drafts: it did not slide and catch up
-        assert ses.dft.ctx is not e.dft_ctx  # ...from a context of its own, the whole context's memory untouched
+        assert draft_memory(ses).ctx is not e.dft_ctx  # ...from a context of its own, the whole context's memory untouched
         # the controller prices the draft at the window's cost from then on, not at the whole context's 26 ms
         assert ses.controller(auto).first_s() < 0.010
         for _ in it:
@@ -374,13 +375,13 @@ def test_at_long_context_a_draft_window_is_taken_where_it_is_faster(recent_pair)
         whole, window = ses.reader.trial.evidence
         assert window[1] >= 32 + WINDOW_PROBATION and window[0] >= 0.9 * window[1]
         assert whole == (32, 32) and ses.reader.trial.n_measures == 0
-        assert ses.reader.trial.on_probation() is None and ses.dft.ctx is e.dft_ctx  # kept: adopted
+        assert ses.reader.trial.on_probation() is None and draft_memory(ses).ctx is e.dft_ctx  # kept: adopted
         ses.reset()
         g = ses.generate(toks, auto).run()
         assert g.tokens == base.tokens and g.stats.draft_window == WINDOW_TRIAL
         assert g.stats.n_window_trials == 0  # decided for the session: no second trial at the same length
         # the draft's memory is a window: the history's first tokens, then recent ones, at positions 0..
-        dft, hist = ses.dft, ses.history
+        dft, hist = draft_memory(ses), ses.history
         assert 0 < dft.offset and len(dft.tokens) <= WINDOW_TRIAL and dft.tokens[:DRAFT_SINK] == hist[:DRAFT_SINK]
         dft.extend(hist[dft.next_index():], logits="last")
         with _ffi.Context(e.draft, 1024, 1, name="fresh") as fresh:
@@ -439,8 +440,8 @@ def test_a_window_the_answer_does_not_bear_out_is_given_up_without_a_new_prefill
         whole, window = ses.reader.trial.evidence
         assert len(calls) == 1 and whole[1] == window[1] >= 8 + WINDOW_PROBATION
         assert g.stats.n_window_trials == 1 and g.stats.n_window_reverts == 1 and g.stats.draft_window is None
-        assert ses.reader.window is None and ses.dft.ctx is e.dft_ctx and ses.dft.offset == 0
-        assert ses.dft.tokens == ses.history[:len(ses.dft.tokens)]  # the whole history, caught up
+        assert ses.reader.window is None and draft_memory(ses).ctx is e.dft_ctx and draft_memory(ses).offset == 0
+        assert draft_memory(ses).tokens == ses.history[:len(draft_memory(ses).tokens)]  # the whole history, caught up
         # the prompt once (1,600), the trial's window (~300) and the answer's rows: not a second prefill
         assert decoded["draft"] < 1600 + 400 + 3 * auto.n_predict
         ctrl = ses.controller(auto)
@@ -464,7 +465,7 @@ def test_a_draft_window_is_not_taken_where_it_is_no_cheaper(deep_target, tiny_ta
                     draft_ctx=draft_ctx) as e:
             ses = e.session()
             g = ses.generate(long_prompt(e, 1600), auto).run()
-            assert ses.reader.window is None and ses.dft.offset == 0 and g.stats.draft_window is None
+            assert ses.reader.window is None and draft_memory(ses).offset == 0 and g.stats.draft_window is None
             assert g.stats.n_window_trials == ses.reader.trial.n_trials == (1 if draft_ctx == "auto" else 0)
             prompt_ms[draft_ctx] = g.stats.prompt_ms
     assert prompt_ms["auto"] > prompt_ms[0] + 20.0  # the draft decoded ~260 tokens more, 0.2 ms each here
@@ -570,7 +571,7 @@ def test_prompt_agreement_is_measured_when_the_draft_holds_the_historys_last_tok
         base = len(ses.history)
         ses.generate(toks[1476:], GenerationSettings(n_predict=4, draft_max=2)).run()
         ses.rollback(base)
-        assert ses.dft.next_index() == len(ses.tgt.tokens) + 1  # the case: the draft is a row ahead
+        assert draft_memory(ses).next_index() == len(ses.tgt.tokens) + 1  # the case: the draft is a row ahead
         first_step(ses, toks[1476:], auto)
         agree, n = ses.agreement
         assert n == 16 and agree >= 0.9 * n and ses.controller(auto).n_seeds == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from beside import draft_memory
 from specq.native.control.batch_plan import LONE_PLAIN, BatchPlanner, Wish
 from specq.native.control.expected import expected_tokens
 from specq.native.control.length import AdaptiveDraft
@@ -220,7 +221,7 @@ def test_sequences_joining_a_batch_that_does_not_draft_leave_the_draft_alone(tin
         assert b.n_unprepared == 4 and calls["draft"] <= 2 * (planner.n_probes - probes0)
         # one prefill decode for each joiner (no timed spans), one verify a step
         assert calls["target"] == 4 + b.n_steps
-        assert all(len(g.session.dft.tokens) < len(g.session.history) // 2 for g in gens if not g.stats.n_drafted)
+        assert all(len(draft_memory(g.session).tokens) < len(g.session.history) // 2 for g in gens if not g.stats.n_drafted)
 
 
 def test_the_last_sequence_left_alone_after_a_plain_batch_stays_plain(tiny_target, tiny_unrelated):

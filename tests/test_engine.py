@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from beside import draft_memory
 from specq.errors import ContextFullError, IncompatibleDraftError, UsageError
 from specq.native.core.settings import DRAFT_SINK, MIN_DRAFT_WINDOW, GenerationSettings
 from specq.native.runtime.engine import Engine
@@ -213,7 +214,7 @@ def test_a_draft_window_slides_over_a_long_history_and_output_stays_the_targets(
         assert g.stats.n_drafted > 0 and g.stats.n_accepted > 0
         g2 = ses.generate(e.tokenize(" and then"), settings).run()  # a second turn
         assert g2.stats.n_drafted > 0
-        dft, hist = ses.dft, ses.history
+        dft, hist = draft_memory(ses), ses.history
         assert 0 < dft.offset and len(dft.tokens) <= e.draft_window < len(hist)
         assert dft.sink == DRAFT_SINK and dft.tokens[:DRAFT_SINK] == hist[:DRAFT_SINK]  # the sinks stay
         assert dft.tokens[DRAFT_SINK:] == hist[dft.offset:dft.offset + len(dft.tokens) - DRAFT_SINK]

@@ -10,7 +10,7 @@ import tinymodels
 from specq.native.llama import ffi as _ffi
 from specq.native.runtime.engine import Engine, SimulatedClock
 from specq.native.core.settings import GenerationSettings
-from beside import beside, spy_steps
+from beside import beside, spy_steps, draft_memory
 from stats import chi2_pvalue
 from test_hybrid import write_tiny_mamba
 from tinymodels import TinySpec, write_tiny_gguf
@@ -27,7 +27,7 @@ def generate(e, toks: list[int], settings: GenerationSettings, beside_another: b
 
 def assert_consistent(ses):
     """Each memory holds exactly its token list, and that list is a prefix of what was committed."""
-    for cache, committed in ((ses.tgt, ses.history[:-1]), (ses.dft, ses.history)):
+    for cache, committed in ((ses.tgt, ses.history[:-1]), (draft_memory(ses), ses.history)):
         if cache is None:
             continue
         assert cache.ctx.pos_max() == len(cache.tokens) - 1, (cache.ctx.name, cache.ctx.pos_max(), len(cache.tokens))
@@ -376,7 +376,7 @@ def test_a_hybrid_model_on_either_side_rolls_back_and_stays_exact(side, rollback
             ses = e.session()
             g = ses.generate(toks, GenerationSettings(n_predict=32, draft_max=4)).run()
             assert len(set(base.tokens)) > 5 and g.tokens == base.tokens, prompt
-            hybrid = ses.tgt if side == "target" else ses.dft
+            hybrid = ses.tgt if side == "target" else draft_memory(ses)
             if rollback and side == "target":
                 assert hybrid.n_rollbacks > 0 and hybrid.n_restores == 0 and g.stats.n_rollbacks > 0
             else:

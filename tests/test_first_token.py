@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from beside import draft_memory
 from specq.native.runtime import step as speculative
 from specq.native.runtime.engine import Engine, SimulatedClock
 from specq.native.core.settings import GenerationSettings
@@ -45,7 +46,7 @@ def test_the_reader_reads_the_whole_prompt_before_the_first_speculative_step(tin
 
         def spy(asks):
             if asks[0].n_draft_max > 0 and not seen:
-                seen.append(len(ses.history) - ses.dft.next_index())
+                seen.append(len(ses.history) - draft_memory(ses).next_index())
             return real(asks)
 
         speculative.step = spy

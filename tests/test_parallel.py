@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from beside import draft_memory
 from specq.errors import UsageError
 from specq.native.runtime.batch import Batch
 from specq.native.runtime.config import kv_streams
@@ -86,7 +87,7 @@ def test_a_waves_prompts_are_evaluated_in_one_decode_and_each_answer_is_its_own(
 
 def assert_consistent(ses):
     """Each memory holds exactly its token list (on its own sequence), a prefix of the history."""
-    for mem, committed in ((ses.tgt, ses.history[:-1]), (ses.dft, ses.history)):
+    for mem, committed in ((ses.tgt, ses.history[:-1]), (draft_memory(ses), ses.history)):
         if mem is not None:
             assert mem.ctx.pos_max() == len(mem.tokens) - 1, (mem.ctx.name, mem.ctx.seq)
             assert mem.tokens == committed[:len(mem.tokens)]
@@ -342,10 +343,10 @@ def test_a_shared_prompt_start_is_copied_from_another_sequence_not_evaluated(tin
         prompt = e.tokenize(system + PROMPTS[1])
         n = b.share_prefix(a, prompt, least=32)
         shared = len(e.tokenize(system)) - 1
-        assert n >= shared and b.tgt.tokens == prompt[:n] and b.dft.tokens == prompt[:len(b.dft.tokens)]
-        assert len(b.dft.tokens) >= shared
+        assert n >= shared and b.tgt.tokens == prompt[:n] and draft_memory(b).tokens == prompt[:len(draft_memory(b).tokens)]
+        assert len(draft_memory(b).tokens) >= shared
         # the memories hold the copied cells (nothing was decoded on sequence 1)
-        assert b.tgt.ctx.pos_max() == n - 1 and b.dft.ctx.pos_max() == len(b.dft.tokens) - 1
+        assert b.tgt.ctx.pos_max() == n - 1 and draft_memory(b).ctx.pos_max() == len(draft_memory(b).tokens) - 1
         g = b.generate(prompt, GenerationSettings(n_predict=20, draft_max=4)).run()
         assert g.tokens == want and g.stats.n_drafted > 0
         assert_consistent(a)

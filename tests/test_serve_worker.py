@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
+from beside import draft_memory
 from specq.native.runtime.engine import Engine  # noqa: E402
 from specq.native.core.settings import GenerationSettings  # noqa: E402
 from specq.native.serving.api import ApiError, Limits, parse_json, parse_request, settings_for  # noqa: E402
@@ -206,7 +207,7 @@ def test_a_stop_string_inside_a_step_rolls_both_caches_back(worker):
             assert len(ses.history) == len(prompt) + out.n_completion
             kept = eng.target.detokenize(ses.history[len(prompt):])
             assert kept.startswith(full[:i]) and kept.endswith(stop)
-            assert ses.tgt.tokens == ses.history[:-1] and ses.dft.tokens == ses.history[:len(ses.dft.tokens)]
+            assert ses.tgt.tokens == ses.history[:-1] and draft_memory(ses).tokens == ses.history[:len(draft_memory(ses).tokens)]
             return
     pytest.fail("no stop string ended inside a multi-token step")
 
@@ -229,7 +230,7 @@ def test_a_cancelled_job_stops_within_a_step(worker):
     assert out.finish == "interrupted" and out.n_completion <= 3 * (4 + 1)
     assert cancelled() == before + 1
     ses = worker.session  # the target holds all but the last token; the draft a prefix (it catches up)
-    assert ses.tgt.tokens == ses.history[:-1] and ses.dft.tokens == ses.history[:len(ses.dft.tokens)]
+    assert ses.tgt.tokens == ses.history[:-1] and draft_memory(ses).tokens == ses.history[:len(draft_memory(ses).tokens)]
 
 
 def test_the_queue_is_bounded(tiny_target):

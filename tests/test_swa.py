@@ -13,6 +13,7 @@ import llama_cpp.llama_cpp as C
 import numpy as np
 import pytest
 
+from beside import draft_memory
 from specq.native.llama import ffi as _ffi
 from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
@@ -85,12 +86,12 @@ def test_greedy_identity_with_rollbacks_after_the_window_slid(gemma3_pair):
         assert len(set(base.tokens)) > 10 and g.tokens == base.tokens
         assert 0 < g.stats.n_accepted < g.stats.n_drafted  # some drafts rejected...
         # ...and rolled back on both sides from caches that had already dropped their oldest positions
-        assert ses.tgt.n_rollbacks > 0 and ses.dft.n_rollbacks > 0 and g.stats.n_rollbacks > 0
-        assert ses.tgt.ctx.pos_min() > 0 and ses.dft.ctx.pos_min() > 0
+        assert ses.tgt.n_rollbacks > 0 and draft_memory(ses).n_rollbacks > 0 and g.stats.n_rollbacks > 0
+        assert ses.tgt.ctx.pos_min() > 0 and draft_memory(ses).ctx.pos_min() > 0
         assert g.stats.n_restores == 0  # every step's rollback stayed within what the caches hold
         assert_consistent(ses)
         assert_memory_is_exact(ses.tgt, target)
-        assert_memory_is_exact(ses.dft, draft)
+        assert_memory_is_exact(draft_memory(ses), draft)
 
 
 def test_sampling_law_with_rollbacks_after_the_window_slid(gemma3_pair):
@@ -110,14 +111,14 @@ def test_sampling_law_with_rollbacks_after_the_window_slid(gemma3_pair):
         ses.generate(toks[:-1], GenerationSettings(n_predict=1), speculative=False).run()
         for seed in range(2500):
             ses.rollback(len(toks) - 1)
-            before = ses.tgt.n_rollbacks, ses.dft.n_rollbacks
+            before = ses.tgt.n_rollbacks, draft_memory(ses).n_rollbacks
             g = ses.generate(toks[-1:], GenerationSettings(seed=seed, n_predict=4, draft_max=2, **kw)).run()
-            rolled = [rolled[0] + ses.tgt.n_rollbacks - before[0], rolled[1] + ses.dft.n_rollbacks - before[1]]
+            rolled = [rolled[0] + ses.tgt.n_rollbacks - before[0], rolled[1] + draft_memory(ses).n_rollbacks - before[1]]
             key = tuple(g.tokens[:3])
             counts[key] = counts.get(key, 0) + 1
-        assert ses.tgt.ctx.pos_min() > 0 and ses.dft.ctx.pos_min() > 0
+        assert ses.tgt.ctx.pos_min() > 0 and draft_memory(ses).ctx.pos_min() > 0
         assert rolled[0] > 200 and rolled[1] > 200, rolled  # rejected drafts dropped from slid windows, both sides
-        assert ses.tgt.n_restores == ses.dft.n_restores == 0
+        assert ses.tgt.n_restores == draft_memory(ses).n_restores == 0
     assert len(law) > 40
     assert chi2_pvalue(counts, law) > 0.001
 
@@ -131,14 +132,14 @@ def test_a_rollback_past_what_the_cache_holds_evaluates_again(gemma3_pair):
         toks = long_prompt(e)
         ses = e.session()
         ses.generate(toks, GenerationSettings(n_predict=40, draft_max=4)).run()
-        assert ses.tgt.ctx.pos_min() > 60 and ses.dft.ctx.pos_min() > 60
+        assert ses.tgt.ctx.pos_min() > 60 and draft_memory(ses).ctx.pos_min() > 60
         del ses.history[60:]
         kept, again = list(ses.history), e.tokenize(" again")
         g = ses.generate(again, GenerationSettings(n_predict=24, draft_max=4)).run()
         with engine(target, draft) as fresh:
             ref = fresh.session().generate(kept + again, GenerationSettings(n_predict=24), speculative=False).run()
         assert g.tokens == ref.tokens and g.stats.n_drafted > 0
-        assert ses.tgt.n_restores > 0 and ses.dft.n_restores > 0
+        assert ses.tgt.n_restores > 0 and draft_memory(ses).n_restores > 0
         assert_consistent(ses)
 
 

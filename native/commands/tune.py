@@ -66,7 +66,8 @@ def measure_costs(eng: Engine, prompt: list[int], max_batch: int, reps: int = 5)
     """(target verify ms by batch size, draft ms per token), rolling the memories back after each decode."""
     ses = eng.session()
     ses.prefill(prompt)
-    tgt, dft = ses.tgt, ses.dft
+    model = ses.drafters.get("model")  # the pair's draft model, where one is loaded
+    tgt, dft = ses.tgt, model.memory if model is not None else None
     n = len(tgt.tokens)
     filler = (prompt * (max_batch + 1))[:max_batch]
 

@@ -111,9 +111,7 @@ class Progress:
     decode0: float = 0.0
     restores0: int = 0
     rollbacks0: int = 0
-    slides0: int = 0
-    trials0: int = 0
-    reverts0: int = 0
+    counts0: dict = field(default_factory=dict)  # the drafters' counters when it began (Drafter.counts)
     plain0: int = 0  # the controller's counters when this generation began (it outlives generations)
     probes0: int = 0
     drafted_by: dict = field(default_factory=dict)

@@ -17,6 +17,22 @@ Glossary (every drafter, native/drafters/*.py, speaks these words):
 - has_memory: a drafter that must decode every committed token before it drafts (a model, an MTP head): tokens
   others emit cost it a catch-up, which the drafter chooser charges to them; an n-gram lookup has none.
 
+- units: what a proposal's ids are. Every drafter here proposes target token ids (TARGET_TOKENS); a drafter of
+  another vocabulary would state its own units and be translated before the verify.
+- shared (`Drafter.provide`): what every session's drafter of one kind shares on an engine, opened once when the
+  engine loads and closed with it: a context of its own, a store that outlives requests.
+
+A drafter's life in a session, each hook a no-op by default:
+- `attach(on)`: a generation starts that may (on) or may not draft with it;
+- `read_prompt(spans, last)`: a reads_prompt drafter reads the prompt after the target (prefill), times spans
+  and compares its greedy choices with the target's (`PromptRead`);
+- `wants_prompt_rows(n_new)`, `prompt_compared(ctrl, overhead)`: it asks for the comparison for its own sake and
+  may act on it (the draft model's window trial);
+- `propose` / `propose_batch`: each step; `rewind`: after a verify, a rollback or a new prompt; `stepped()`: after
+  each step;
+- `ended(prompt, output, interrupted)`: the generation ended, whoever drafted;
+- `counts()`: its counters for the generation stats; `clear()`: a reset session.
+
 Adding a drafter: one module here with a `Drafter` subclass, and one entry in registry.py.
 """
 
@@ -31,11 +47,14 @@ from ..core.accept import top_probability
 from ..core.sampling import Sampling, SparseDist, restrict, sample
 
 if TYPE_CHECKING:
+    from ..control.length import AdaptiveDraft
+    from ..core.prompt import AgreeRows, Span
     from ..runtime.engine import Engine
     from ..runtime.session import Session
     from ..core.settings import GenerationSettings
 
 CATCHUP_SHORT = 2  # a catch-up of at most this many tokens is part of the first drafted token's cost
+TARGET_TOKENS = "target"  # a drafter's units: the target's token ids
 
 
 class CatchUp(NamedTuple):
@@ -50,6 +69,26 @@ class Agreement(NamedTuple):
 
     agree: int
     rows: int
+
+
+class Timing(NamedTuple):
+    """A timed span of the prompt: what a decode of n tokens at pos cost the target (every row's logits, as a
+    verify), and what one of as many cost the drafter that reads the prompt (None where none was timed)."""
+
+    pos: int
+    n: int
+    target_s: float
+    draft_s: float | None
+
+
+@dataclass
+class PromptRead:
+    """What a drafter's read of the prompt found: the timed spans (`Timing`), its agreement with the target on the
+    compared span (None: none compared), and its longest read (context, tokens, seconds): a catch-up's cost."""
+
+    timings: list[Timing] = field(default_factory=list)
+    agreement: Agreement | None = None
+    longest: tuple[int, int, float] | None = None
 
 
 @dataclass
@@ -69,6 +108,7 @@ class Drafter:
     one `Session` and reads its committed history (`session.history`), never changing it."""
 
     name: ClassVar[str]
+    units: ClassVar[str] = TARGET_TOKENS  # what its proposals' ids are (the module's glossary)
     needs_draft_model: ClassVar[bool] = False  # runs only with a draft model loaded (Engine(draft=...))
     on_match_only: ClassVar[bool] = False
     reads_prompt: ClassVar[bool] = False
@@ -76,6 +116,19 @@ class Drafter:
 
     def __init__(self, session: Session):
         self.session = session
+
+    @classmethod
+    def provide(cls, engine: Engine) -> object | None:
+        """What every session's drafter of this kind shares on this engine: opened once, after the models load
+        (a context of its own, a store that outlives requests); `self.shared` in each instance. The engine warms up
+        and times what has warm_up/on_decode (an ffi.Context), and closes what has close() with itself. None
+        (the default): nothing."""
+        return None
+
+    @property
+    def shared(self):
+        """What `provide` opened on this session's engine (None: nothing)."""
+        return self.session.engine.provided.get(self.name)
 
     @classmethod
     def available(cls, engine: Engine) -> bool:
@@ -113,12 +166,49 @@ class Drafter:
     def attach(self, on: bool) -> None:
         """A generation begins that may (on) or may not draft with it: start or stop work it does meanwhile."""
 
+    def read_prompt(self, spans: list[tuple[Span, float | AgreeRows]], last: int) -> PromptRead:
+        """reads_prompt: read the history up to `last` (the target holds as much) after the target's part of the
+        prefill. `spans`: the prompt rows the target decoded apart, each with its seconds (a timed span: time as
+        many tokens here) or its rows (an agreement span: compare greedy choices with them)."""
+        return PromptRead()
+
+    def wants_prompt_rows(self, n_new: int) -> bool:
+        """Whether the prefill of n_new more tokens should compare this drafter with the target for its own sake
+        (greedy), then call prompt_compared."""
+        return False
+
+    def prompt_compared(self, ctrl: AdaptiveDraft, overhead: Callable[[], float]) -> Agreement | None:
+        """After a prefill it wanted compared (wants_prompt_rows): act on it (`ctrl`: its length controller at
+        this context; `overhead()`: the step overhead it is priced with). The agreement that holds now, where it
+        changed."""
+        return None
+
+    def behind(self) -> int:
+        """Tokens of the history it would decode before drafting (a batch's planner prices them)."""
+        return 1
+
+    def share_prefix(self, other: Drafter, n: int, prompt: list[int]) -> None:
+        """Take over the first n tokens of `prompt` from the same drafter of another session (a shared system
+        prompt the target took over), where it keeps a memory of them."""
+
     def rewind(self) -> None:
         """Hold no more than the committed history (after a verify, a rollback or a new prompt)."""
+
+    def stepped(self) -> None:
+        """A step of the session's generation was taken (whoever drafted it)."""
+
+    def ended(self, prompt: list[int], output: list[int], interrupted: bool) -> None:
+        """The session's generation ended (whoever drafted, speculative or not): its prompt and output tokens."""
+
+    def counts(self) -> dict[str, int]:
+        """Its counters so far, by GenerationStats field (summed over a session's drafters; the generation
+        reports what they grew by)."""
+        return {}
 
     def clear(self) -> None:
         """Forget everything (a reset session)."""
 
+    window: int | None = None  # the recent tokens of the history it sees (None: all)
     n_restores: int = 0  # checkpoint restores of its memory so far (Session.n_restores)
     n_rollbacks: int = 0  # recurrent/hybrid tails it dropped through snapshots so far
     decode_s: float = 0.0  # llama_decode time on contexts of its own (not the engine's)

@@ -10,14 +10,19 @@ import numpy as np
 from ...errors import UsageError
 from ..core.memory import Memory, common_prefix, extend_many
 from ..core.sampling import Sampling
-from ..core.settings import DRAFT_SINK
-from .base import CATCHUP_SHORT, Agreement, Drafter, Proposal, pick, pick_loop, timed
+from ..core.settings import AGREE_TOKENS, DRAFT_SINK
+from ..llama import ffi as _ffi
+from .base import CATCHUP_SHORT, Agreement, Drafter, PromptRead, Proposal, Timing, pick, pick_loop, timed
 from .window import DraftWindow, agreeing
 
 if TYPE_CHECKING:
+    from ..control.length import AdaptiveDraft
+    from ..core.prompt import AgreeRows, Span
     from ..runtime.engine import Engine
     from ..runtime.session import Session
     from ..core.settings import GenerationSettings
+
+READ_TIMED_MIN = 16  # a read of the prompt this long or longer prices its catch-up (PromptRead.longest)
 
 
 class ModelDrafter(Drafter):
@@ -31,13 +36,31 @@ class ModelDrafter(Drafter):
     def __init__(self, session: Session):
         super().__init__(session)
         eng = session.engine
-        self.memory = Memory(session.dft_ctx, partial_rm=not eng.draft.is_recurrent_or_hybrid)
+        ctx = self.shared if eng.parallel == 1 else self.shared.seq(session.seq)
+        self.memory = Memory(ctx, partial_rm=not eng.draft.is_recurrent_or_hybrid)
         self.n_slides = 0  # times the window moved on (a smaller --ctx-draft)
         # the window: --ctx-draft's, or with --ctx-draft auto what the window trials chose (None: all)
         self.window = eng.draft_window
         self.trial = DraftWindow(self)
         # the last agreement's (position, the target's choices, the rows where the draft's were the same)
         self.agree_rows: tuple[int, np.ndarray, np.ndarray] | None = None
+        self.prompt_read = PromptRead()  # what the last read of a prompt found
+
+    @classmethod
+    def provide(cls, engine: Engine) -> _ffi.Context | None:
+        """The draft model's context (engine.dft_ctx), where the engine loaded one (Engine(draft=...)): --ctx-draft
+        tokens (the target's context where none), a sequence per --parallel, warmed up."""
+        if engine.draft is None:
+            return None
+        c = _ffi.Context(engine.draft, engine.draft_n_ctx, engine.draft_threads, n_batch=engine.draft_n_batch,
+                         n_outputs_max=max(AGREE_TOKENS, engine.parallel), name="draft",
+                         flash_attn=engine.draft_flash_attn, n_seq=engine.parallel)
+        try:
+            c.warm_up()
+        except BaseException:
+            c.close()
+            raise
+        return c
 
     @classmethod
     def available(cls, engine: Engine) -> bool:
@@ -147,7 +170,60 @@ class ModelDrafter(Drafter):
         self.trial.abandon()
         self.memory.clear()
 
-    # ---- prefill: the prompt on the draft's memory (Session.prefill) --------------------------------------
+    def behind(self) -> int:
+        return len(self.session.history) - self.memory.next_index()
+
+    def share_prefix(self, other: Drafter, n: int, prompt: list[int]) -> None:
+        self.memory.copy_prefix(other.memory, min(n, common_prefix(other.memory.tokens, prompt)))
+
+    def counts(self) -> dict[str, int]:
+        return {"n_draft_slides": self.n_slides, "n_window_trials": self.trial.n_trials,
+                "n_window_reverts": self.trial.n_reverts}
+
+    # ---- the window trial (--ctx-draft auto: window.py) --------------------------------------------------
+    def wants_prompt_rows(self, n_new: int) -> bool:
+        return self.trial.due(n_new)
+
+    def prompt_compared(self, ctrl: AdaptiveDraft, overhead) -> Agreement | None:
+        return self.trial.try_window(ctrl, overhead)
+
+    def stepped(self) -> None:
+        self.trial.settle_when_due(finished=False)
+
+    def ended(self, prompt: list[int], output: list[int], interrupted: bool) -> None:
+        if not interrupted:
+            self.trial.settle_when_due(finished=True)
+        self.trial.abandon()  # interrupted on probation: the whole context's memory again
+
+    # ---- prefill: the prompt on the draft's memory (Session.prefill_reader) -------------------------------
+    def read_prompt(self, spans: list[tuple[Span, float | AgreeRows]], last: int) -> PromptRead:
+        """Read the prompt up to `last`: each timed span's tokens decoded alone and timed, the agreement span's
+        rows compared with the target's (teacher-forced greedy acceptance; under rejection sampling each row's
+        expected acceptance Σ min(p, q)), the longest read in between timed (a catch-up's cost)."""
+        out = PromptRead()
+        self.agree_rows = None
+        n_vocab = self.session.engine.target.n_vocab
+        for span, got in spans:
+            self._read(span.pos, out)
+            if span.agree:
+                self.before_agreement(span.pos, len(got.want))
+                agreement = self.agreement(span.pos, got.want, got.expected(n_vocab))
+                if agreement is not None:
+                    out.agreement = agreement
+            else:
+                out.timings.append(Timing(span.pos, span.n, got, self.time_span(span.pos, span.n)))
+        self._read(last, out)
+        self.prompt_read = out
+        return out
+
+    def _read(self, pos: int, out: PromptRead) -> None:
+        """Read the prompt up to pos; the longest such read is timed (out.longest)."""
+        clock = self.session.engine.clock
+        t0 = clock()
+        n = self.read_to(pos)
+        if n >= READ_TIMED_MIN and (out.longest is None or n > out.longest[1]):
+            out.longest = (pos, n, clock() - t0)
+
     def read_to(self, pos: int) -> int:
         """Evaluate the history up to (not including) pos; the tokens decoded."""
         self.fit(pos + 1)

@@ -17,6 +17,7 @@ import numpy as np
 from ...errors import ModelFileError, UsageError
 from ..core.memory import common_prefix
 from ..core.sampling import Sampling
+from ..llama import ffi as _ffi
 from .base import CATCHUP_SHORT, Drafter, Proposal, pick_loop, timed
 
 if TYPE_CHECKING:
@@ -74,12 +75,21 @@ class MtpDrafter(Drafter):
 
     def __init__(self, session: Session):
         super().__init__(session)
-        self.ctx = session.engine.mtp_ctx
+        self.ctx = self.shared
         self.seq = session.seq  # the head's memory for this session: the same sequence id as the target's
         self.history = session.history
         self.tokens: list[int] = []  # t_0..t_{m-1}: what the head's memory holds, each paired with h_{k-1}
         self.rows = HiddenRows(self.ctx.n_embd)
         self.n_redecodes = 0  # target re-decodes forced by missing trunk rows (after a rollback)
+
+    @classmethod
+    def provide(cls, engine: Engine) -> _ffi.MtpContext | None:
+        """The head's context (engine.mtp_ctx), where the engine loaded the target's head (Engine(mtp=...)): as
+        long as the target's, a sequence per --parallel."""
+        if engine.mtp_asked is False or engine.target.n_layer_nextn < 1:
+            return None
+        return _ffi.MtpContext(engine.target, engine.ctx_asked, engine.threads, n_batch=engine.n_batch_asked,
+                               n_seq=engine.parallel)
 
     @classmethod
     def available(cls, engine: Engine) -> bool:

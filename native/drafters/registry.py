@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...errors import UsageError
-from .base import Drafter
+from .base import TARGET_TOKENS, Drafter
 from .model import ModelDrafter
 from .mtp import MtpDrafter
 from .ngram import NgramDrafter
@@ -26,6 +26,8 @@ def register(cls: type[Drafter]) -> None:
     """Make a drafter available by its name (`--drafter NAME`, and under auto)."""
     if cls.name in DRAFTERS or cls.name == AUTO or "," in cls.name:
         raise ValueError(f"a drafter named {cls.name!r} cannot be registered")
+    if cls.units != TARGET_TOKENS:  # the step verifies target token ids: nothing translates others yet
+        raise ValueError(f"drafter {cls.name!r} proposes {cls.units!r}, not the target's token ids")
     DRAFTERS[cls.name] = cls
 
 

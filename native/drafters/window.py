@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable, TYPE_CHECKING
 
 import numpy as np
 
 from ..control.length import AdaptiveDraft
 from ..control.window import paired_acceptance, window_pays, window_pays_at
 from ..core.memory import Memory
-from ..core.settings import AGREE_TOKENS, DRAFT_SINK, WINDOW_TIMINGS, WINDOW_TRIAL, WINDOW_TRIAL_MIN
+from ..core.settings import (AGREE_TOKENS, DRAFT_SINK, WINDOW_PROBATION, WINDOW_TIMINGS, WINDOW_TRIAL,
+                             WINDOW_TRIAL_MIN)
 from ..llama import ffi as _ffi
 from .base import Agreement
 
@@ -38,6 +39,7 @@ class _Probation:
     t_whole: float  # a drafted token's cost, each memory, as the trial timed it
     t_window: float
     ctrl: AdaptiveDraft  # the draft model's controller, told when the window is given up
+    overhead: Callable[[], float]  # the step overhead the verdict is priced with
     whole_ok: np.ndarray  # the prompt's rows where each memory's greedy choice was the target's
     window_ok: np.ndarray
 
@@ -68,7 +70,7 @@ class DraftWindow:
         n = len(d.session.history) + n_new
         return d.session.engine.window_auto and d.window is None and n >= max(WINDOW_TRIAL_MIN, 2 * self._trial_at)
 
-    def try_window(self, ctrl: AdaptiveDraft, overhead: float) -> Agreement | None:
+    def try_window(self, ctrl: AdaptiveDraft, overhead: Callable[[], float]) -> Agreement | None:
         """After a prefill that compared the draft with the target (its agreement): decode the same prompt rows on
         a context of the draft's own that holds only the history's first DRAFT_SINK tokens and the
         WINDOW_TRIAL // 2 before the rows (what a window holds just after it slides), and time the next token
@@ -76,12 +78,12 @@ class DraftWindow:
         expected to be faster (window_pays, on the controller's verify costs), the draft sees a window of
         WINDOW_TRIAL tokens from now on, drafting from that context (no catch-up to pay), on probation: the
         answer's first WINDOW_PROBATION rows decide whether it is kept (settle).
-        `ctrl`: the draft model's controller, at this context (at()). Returns the window's agreement when it was
-        taken, else None."""
+        `ctrl`: the draft model's controller, at this context (at()); `overhead()`: the step overhead it is priced
+        with. Returns the window's agreement when it was taken, else None."""
         d = self.drafter
-        dft, hist, eng, agreement = d.memory, d.session.history, d.session.engine, d.session.agreement
+        dft, hist, eng, agreement = d.memory, d.session.history, d.session.engine, d.prompt_read.agreement
         last = len(hist) - 1
-        if d.agree_rows is None or dft.next_index() != last or self._probation is not None:
+        if d.agree_rows is None or agreement is None or dft.next_index() != last or self._probation is not None:
             return None
         pos, want, whole_ok = d.agree_rows
         n = len(want)
@@ -104,7 +106,7 @@ class DraftWindow:
             agree = agreeing(window_ok)
             c.decode(tokens[rows + n:], rows + n, logits="none")
             t_window = self._time_next(c, hist[last], len(tokens))
-            took = window_pays(agreement, agree, t_whole, t_window, ctrl.verify_s, overhead, ctrl.cap)
+            took = window_pays(agreement, agree, t_whole, t_window, ctrl.verify_s, overhead(), ctrl.cap)
             log.info("draft window trial at %d tokens: whole context %d/%d agree, %.1f ms a token; last %d tokens "
                      "%d/%d, %.1f ms: %s", len(hist), *agreement, t_whole * 1e3, WINDOW_TRIAL, *agree,
                      t_window * 1e3, "window" if took else "whole context")
@@ -113,7 +115,7 @@ class DraftWindow:
                 c.close()
         if not took:
             return None
-        self._probation = _Probation(dft, last, start, t_whole, t_window, ctrl, whole_ok, window_ok)
+        self._probation = _Probation(dft, last, start, t_whole, t_window, ctrl, overhead, whole_ok, window_ok)
         d.memory = Memory(c, tokens=list(tokens), offset=start, sink=DRAFT_SINK)
         d.window = WINDOW_TRIAL
         ctrl.draft_cost_changed(t_window)
@@ -124,7 +126,14 @@ class DraftWindow:
         pb = self._probation
         return None if pb is None else len(self.drafter.session.history) - 1 - pb.start
 
-    def settle(self, overhead: float) -> bool:
+    def settle_when_due(self, finished: bool) -> None:
+        """Keep or give up a window on probation (settle) after WINDOW_PROBATION rows of the answer, or at its end
+        (`finished`) where the answer is shorter."""
+        rows = self.on_probation()
+        if rows is not None and (finished or rows >= WINDOW_PROBATION):
+            self.settle()
+
+    def settle(self) -> bool:
         """Keep or give up the window on probation (try_window), on the answer's rows so far (at most
         AGREE_TOKENS; greedy decoding: each next token is the target's own choice) added to the prompt's. The
         window decodes them again with every row's logits (cheap: it reads a few hundred tokens) and its greedy
@@ -137,7 +146,7 @@ class DraftWindow:
         (catching up on what it has not seen), and the controller forgets the acceptance it measured on the window
         (memory_replaced). Returns whether the window was kept."""
         pb, win, hist = self._probation, self.drafter.memory, self.drafter.session.history
-        whole, ctrl = pb.whole, pb.ctrl
+        whole, ctrl, overhead = pb.whole, pb.ctrl, pb.overhead()
         n = min(len(hist) - 1 - pb.start, AGREE_TOKENS)
         whole_ok, window_ok, keep = pb.whole_ok, pb.window_ok, False
         agree_whole = agreeing(whole_ok)

@@ -39,7 +39,7 @@ def wish(g: Generation, plan: tuple[int, tuple[str, ...] | None]) -> Wish:
     names = ses.available_drafters(g.settings) if drafters is None else drafters
     d = ses.drafters.get(names[0]) if names and k > 0 else None
     decodes = d is not None and not d.on_match_only
-    behind = len(ses.history) - d.memory.next_index() if decodes and hasattr(d, "memory") else 1
+    behind = d.behind() if decodes else 1
     ctrl = _length_controller(g, names[0] if names else None)
     if g.settings.adaptive and ctrl is not None:
         return Wish(k, True, decodes, alphas=ctrl.alphas(), behind=behind)

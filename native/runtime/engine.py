@@ -15,7 +15,8 @@ from typing import Callable
 from ...errors import UsageError
 from ...machine import physical_cores
 from ..core.compat import VocabInfo, check_compatible
-from ..core.settings import AGREE_TOKENS, AUTO_DRAFT_CAP, DRAFT_MAX_CAP, MIN_DRAFT_WINDOW
+from ..core.settings import AUTO_DRAFT_CAP, DRAFT_MAX_CAP, MIN_DRAFT_WINDOW
+from ..drafters import registry
 from ..drafters.mtp import no_head_error
 from ..llama import ffi as _ffi
 from .config import choose_flash_attn, kv_streams, on_cpu
@@ -96,10 +97,14 @@ class Engine:
         draft_flash_attn = self.draft_flash_attn = choose_flash_attn(draft_flash_attn or flash_attn, ngl_draft,
                                                                      draft_devices or devices, parallel)
         choose_flash_attn(flash_attn, ngl, devices, parallel)  # a bad value fails before any load
+        # what the drafters' resources are opened with (Drafter.provide)
+        self.ctx_asked, self.n_batch_asked, self.mtp_asked = ctx, n_batch, mtp
+        self.draft_n_ctx = draft_ctx or ctx  # None or 0: all of it
+        self.draft_n_batch = max(draft_n_batch or n_batch, parallel)
+        self.provided: dict[str, object] = {}  # each drafter kind's resources on this engine, by name
         self.target = _ffi.Model(target, n_gpu_layers=ngl, main_gpu=main_gpu, tensor_split=tensor_split,
                                  devices=devices, cpu_amx=cpu_amx, load_mtp=mtp is not False)
         self.draft = None
-        self.mtp_ctx = None
         try:
             if mtp is True and self.target.n_layer_nextn < 1:
                 raise no_head_error(self.target)
@@ -118,16 +123,11 @@ class Engine:
                                         n_rs_seq=rollback_tokens if self.target.is_recurrent_or_hybrid else 0,
                                         flash_attn=flash_attn, n_seq=parallel,
                                         unified=not streams)
-            self.dft_ctx = (_ffi.Context(self.draft, draft_ctx or ctx, self.draft_threads,  # None or 0: all of it
-                                         n_batch=max(draft_n_batch or n_batch, parallel),
-                                         n_outputs_max=max(AGREE_TOKENS, parallel), name="draft",
-                                         flash_attn=draft_flash_attn, n_seq=parallel)
-                            if self.draft is not None else None)
-            if mtp is not False and self.target.n_layer_nextn > 0:
-                self.mtp_ctx = _ffi.MtpContext(self.target, ctx, self.threads, n_batch=n_batch, n_seq=parallel)
-            for c in (self.tgt_ctx, self.dft_ctx):
-                if c is not None:
-                    c.warm_up()
+            self.tgt_ctx.warm_up()
+            for name, cls in registry.DRAFTERS.items():  # the draft model's context, the MTP head's, ...
+                got = cls.provide(self)
+                if got is not None:
+                    self.provided[name] = got
         except BaseException:
             self.close()
             raise
@@ -145,9 +145,19 @@ class Engine:
         self.n_ctx = self.tgt_ctx.n_ctx
         self.clock = clock or time.perf_counter
         if isinstance(clock, SimulatedClock):
-            for c in (self.tgt_ctx, self.dft_ctx, self.mtp_ctx):
-                if c is not None:
+            for c in (self.tgt_ctx, *self.provided.values()):
+                if hasattr(c, "on_decode"):
                     c.on_decode = clock.on_decode
+
+    @property
+    def dft_ctx(self) -> _ffi.Context | None:
+        """The draft model's context (the model drafter's resource), where a draft model is loaded."""
+        return self.provided.get("model")
+
+    @property
+    def mtp_ctx(self) -> _ffi.MtpContext | None:
+        """The target's MTP head's context (the MTP drafter's resource), where it was loaded."""
+        return self.provided.get("mtp")
 
     def info(self, which: str = "target") -> ModelInfo:
         m = self.target if which == "target" else self.draft
@@ -161,9 +171,9 @@ class Engine:
         return Session(self, seq)
 
     def close(self) -> None:
-        for name in ("mtp_ctx", "dft_ctx", "tgt_ctx"):
-            c = getattr(self, name, None)
-            if c is not None:
+        provided = getattr(self, "provided", {})
+        for c in (*reversed(provided.values()), getattr(self, "tgt_ctx", None)):
+            if hasattr(c, "close"):
                 c.close()
         for m in (getattr(self, "draft", None), getattr(self, "target", None)):
             if m is not None:

@@ -11,7 +11,7 @@ from ..control.step import StepOutcome
 from ..core.accept import accepted_per_position
 from ..core.constraint import Guide
 from ..core.sampling import Sampling
-from ..core.settings import AGREE_TOKENS, GenerationSettings, WINDOW_PROBATION
+from ..core.settings import AGREE_TOKENS, GenerationSettings
 from ..core.stats import GenerationStats, Progress, TokenEvent
 from ..drafters import registry
 from . import step as speculative
@@ -48,17 +48,21 @@ def reader_window(ses: Session) -> int | None:
     return r.window if r is not None else ses.engine.draft_window
 
 
-def window_counts(ses: Session) -> tuple[int, int, int]:
-    """The session's reader's window slides, trials and reverts so far (0s without one)."""
-    r = ses.reader
-    return (r.n_slides, r.trial.n_trials, r.trial.n_reverts) if r is not None else (0, 0, 0)
+def drafter_counts(ses: Session) -> dict[str, int]:
+    """The session's drafters' counters so far (Drafter.counts), summed by field."""
+    out: dict[str, int] = {}
+    for d in ses.drafters.values():
+        for k, v in d.counts().items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def make_stats(g: Generation, stop: str, gen_s: float) -> GenerationStats:
     """A generation's stats as they stand (its counters since start)."""
     p, s, ctrl, samp = g._p, g.settings, g.controller, g._samp
     guide = samp.guide if samp is not None else None
-    slides, trials, reverts = window_counts(g.session)
+    counts = drafter_counts(g.session)
+    grew = {k: v - p.counts0.get(k, 0) for k, v in counts.items()}
     return GenerationStats(
         speculative=g.speculative, n_prompt=len(g.new_tokens), n_generated=len(g.tokens),
         n_steps=p.n_steps, n_drafted=p.n_drafted, n_accepted=sum(p.accepted),
@@ -66,9 +70,9 @@ def make_stats(g: Generation, stop: str, gen_s: float) -> GenerationStats:
         prompt_ms=p.prompt_s * 1e3, draft_ms=p.draft_s * 1e3, verify_ms=p.verify_s * 1e3,
         gen_ms=gen_s * 1e3, decode_ms=(g._decode_s() - p.decode0) * 1e3,
         n_restores=g.session.n_restores - p.restores0, n_rollbacks=g.session.n_rollbacks - p.rollbacks0,
-        n_draft_slides=slides - p.slides0,
+        n_draft_slides=grew.get("n_draft_slides", 0),
         draft_window=reader_window(g.session) if g.speculative else None,
-        n_window_trials=trials - p.trials0, n_window_reverts=reverts - p.reverts0,
+        n_window_trials=grew.get("n_window_trials", 0), n_window_reverts=grew.get("n_window_reverts", 0),
         stop_reason=stop,
         accept_mode=(samp.mode if samp else "greedy") if g.speculative else (
             "greedy" if s.temp <= 0 else "sample"),
@@ -105,8 +109,8 @@ class Generation:
         self._samp: Sampling | None = None
         self._reader = None  # the drafter that reads the prompt, where this generation may draft with it
         self._wants = self._trial = False  # whether _read_prompt seeds acceptance / tries a draft window
-        eng = session.engine
-        self._ctxs = [c for c in (eng.tgt_ctx, eng.dft_ctx if speculative else None) if c is not None]
+        eng = session.engine  # the target's context, and where it may draft the drafters' own (Drafter.provide)
+        self._ctxs = [eng.tgt_ctx, *(c for c in eng.provided.values() if speculative and hasattr(c, "decode_s"))]
 
     @property
     def sampling(self) -> Sampling | None:
@@ -158,7 +162,7 @@ class Generation:
             p.plain0, p.probes0 = self.controller.n_plain_steps, self.controller.n_probes
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         p.decode0 = self._decode_s()
-        p.restores0, p.rollbacks0, p.slides0 = ses.n_restores, ses.n_rollbacks, window_counts(self.session)[0]
+        p.restores0, p.rollbacks0, p.counts0 = ses.n_restores, ses.n_rollbacks, drafter_counts(ses)
         p.t_gen0 = self._clock()
 
     def joined_prefill(self, seconds: float) -> None:
@@ -223,10 +227,8 @@ class Generation:
             self._p.count_step(step, n)
 
     def conclude(self) -> None:
-        """End the generation (also when interrupted): settle a draft window on probation (given up where
-        interrupted), rewind, and the final stats."""
-        if self._stop != "interrupted":
-            self._settle_window(finished=True)
+        """End the generation (also when interrupted): tell the drafters (Drafter.ended), rewind, and the final
+        stats."""
         self._end(self._stop, self._samp, self._utf8)
 
     def _remaining(self) -> int | None:
@@ -256,14 +258,14 @@ class Generation:
             ctrl.new_answer()
         self._reader = ses.reader if ses.reader is not None and ses.reader.name in ses.available_drafters(s) else None
         tp0 = self._clock()
-        p.trials0, p.reverts0 = window_counts(self.session)[1:]
         greedy_reader = ctrl is not None and self._reader is not None and s.temp <= 0
         # the prompt's rows tell the acceptance where verification has a law for it: greedy, or rejection sampling
         sampled = s if s.accept_mode == "rejection" else None
         self._wants = (greedy_reader or ctrl is not None and self._reader is not None and sampled is not None) \
             and ctrl.wants_agreement() and prepare
-        # --ctx-draft auto: at a long context, whether a draft window would be faster (drafters/window.py)
-        self._trial = greedy_reader and prepare and self._reader.trial.due(len(self.new_tokens))
+        # whether the reader wants the prompt compared for its own sake (a draft model: a window trial at a long
+        # context, --ctx-draft auto)
+        self._trial = greedy_reader and prepare and self._reader.wants_prompt_rows(len(self.new_tokens))
         has_reader = self._reader is not None
         ses.prefill_target(self.new_tokens,
                            timed=(lambda first, last: ctrl.calibration_points(first, last, has_reader))
@@ -287,7 +289,7 @@ class Generation:
         agreement = ses.agreement
         if self._trial and agreement is not None:
             ctrl.at(len(ses.history))
-            agreement = reader.trial.try_window(own, step_overhead(self.controller)) or agreement
+            agreement = reader.prompt_compared(own, lambda: step_overhead(self.controller)) or agreement
         if self._wants and agreement is not None:
             ctrl.seed_acceptance(*agreement)
         spent = self._clock() - t0
@@ -314,14 +316,15 @@ class Generation:
         return ctrl.choose(n_draft_max), None
 
     def _observe(self, step: StepResult, t_step: float) -> None:
-        """Tell the controller what the step drafted, accepted and cost; settle a draft window on probation."""
+        """Tell the controller what the step drafted, accepted and cost, and the drafters that a step was taken."""
         ctrl = self.controller
         if ctrl is not None:
             ctrl.observe(StepOutcome(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
                                      self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s,
                                      step.first_token_s, step.catchup, drafter=step.drafter,
                                      acceptance=step.acceptance, shared=step.shared))
-        self._settle_window(finished=False)
+        for d in self.session.drafters.values():
+            d.stepped()
 
     def _emit(self, step: StepResult, utf8, remaining: int | None) -> tuple[list[TokenEvent], str | None]:
         """Commit the step's tokens to the history, up to an end of generation or n_predict."""
@@ -352,19 +355,11 @@ class Generation:
             self.keep(n_read + 1)
             raise
 
-    def _settle_window(self, finished: bool) -> None:
-        """A draft window on probation is kept or given up after WINDOW_PROBATION rows of the answer, or at its
-        end where the answer is shorter."""
-        reader = self.session.reader
-        rows = reader.trial.on_probation() if reader is not None else None
-        if rows is not None and (finished or rows >= WINDOW_PROBATION):
-            reader.trial.settle(step_overhead(self.controller))
-
     def _end(self, stop: str, samp: Sampling, utf8) -> None:
         ses, p = self.session, self._p
         try:
-            if ses.reader is not None:
-                ses.reader.trial.abandon()  # interrupted on probation: the whole context's memory again
+            for d in ses.drafters.values():
+                d.ended(self.new_tokens, self.tokens, interrupted=stop == "interrupted")
         finally:
             gen_s = self._clock() - p.t_gen0
             try:

@@ -3,46 +3,21 @@ step is runtime/step.py's, for one sequence or several)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple, TYPE_CHECKING
-
-import numpy as np
+from dataclasses import replace
+from typing import Callable, TYPE_CHECKING
 
 from ...errors import ContextFullError, UsageError
-from ..core.accept import overlap
 from ..core.memory import Memory, common_prefix
-from ..core.sampling import Transform, restrict
+from ..core.prompt import AgreeRows, Span
 from ..core.settings import AGREE_MIN, GenerationSettings
 from ..drafters import registry
-from ..drafters.base import Agreement, Drafter
+from ..drafters.base import Agreement, Drafter, Timing
 from .generation import Generation, new_controller
-
-READ_TIMED_MIN = 16  # a read of the prompt this long or longer prices the reader's catch-up (Session.read_timing)
 
 if TYPE_CHECKING:
     from ..control.chooser import AdaptiveDrafters
     from ..control.length import AdaptiveDraft
     from .engine import Engine
-
-
-@dataclass(frozen=True)
-class Span:
-    """Prompt rows prefill decodes apart: timed (the target's cost at that context, and the reader's for one
-    token), or compared (agree: the reader's greedy choices against the target's, untimed)."""
-
-    pos: int
-    n: int
-    agree: bool = False
-
-
-class Timing(NamedTuple):
-    """A timed span: what a decode of n tokens at pos cost the target (every row's logits, as a verify), and what
-    one of as many cost the drafter that reads the prompt (None where none was timed)."""
-
-    pos: int
-    n: int
-    target_s: float
-    draft_s: float | None
 
 
 class Session:
@@ -54,7 +29,6 @@ class Session:
         self.seq = seq  # its sequence in both models' memories (Engine(parallel=N): 0..N-1)
         one = engine.parallel == 1
         self.tgt_ctx = engine.tgt_ctx if one else engine.tgt_ctx.seq(seq)
-        self.dft_ctx = engine.dft_ctx if one or engine.dft_ctx is None else engine.dft_ctx.seq(seq)
         self.history: list[int] = []  # changed in place only: drafters read the same list
         self._controllers: dict[tuple, AdaptiveDraft | AdaptiveDrafters] = {}
         self.tgt = Memory(self.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
@@ -73,11 +47,6 @@ class Session:
         self.tgt.clear()
         for d in self.drafters.values():
             d.clear()
-
-    @property
-    def dft(self) -> Memory | None:
-        """The reader's memory (a draft model's), if there is one."""
-        return self.reader.memory if self.reader is not None else None
 
     def attach(self, s: GenerationSettings, speculative: bool) -> None:
         """Tell each drafter whether the coming generation may draft with it."""
@@ -135,8 +104,10 @@ class Session:
         if self.engine.parallel == 1 or self.history or n < common_prefix(self.tgt.tokens, prompt[:-1]) + least:
             return 0
         got = self.tgt.copy_prefix(other.tgt, n)
-        if got and self.dft is not None and other.dft is not None:
-            self.dft.copy_prefix(other.dft, min(got, common_prefix(other.dft.tokens, prompt)))
+        if got:
+            for name, d in self.drafters.items():
+                if name in other.drafters:
+                    d.share_prefix(other.drafters[name], got, prompt)
         return got
 
     def rollback(self, n: int) -> None:
@@ -180,8 +151,6 @@ class Session:
         self.history.extend(new_tokens)
         self.agreement = None
         self._pending = None
-        if self.reader is not None:
-            self.reader.agree_rows = None
         try:
             self.rewind()
             self._pending = self._target_spans(self._spans(timed, agree), sampled, joined)
@@ -192,32 +161,19 @@ class Session:
 
     def prefill_reader(self) -> list[Timing]:
         """prefill's reader part, after prefill_target (and maybe a first token): the reader reads the prompt,
-        times its spans' tokens and compares its greedy choices with the target's on the agreement span. The
-        Timings of the timed spans (draft_s None where the reader timed none)."""
+        times its spans' tokens and compares its greedy choices with the target's on the agreement span
+        (Drafter.read_prompt; `agreement` and `read_timing` set). The Timings of the timed spans (draft_s None
+        where the reader timed none)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return []
-        reader, out = self.reader, []
-        self.read_timing = None
-        for span, got in pending:
-            if reader is not None:
-                self._read(span.pos)
-            if span.agree:
-                self._agree_reader(span.pos, got)
-            else:
-                draft_s = reader.time_span(span.pos, span.n) if reader is not None else None
-                out.append(Timing(span.pos, span.n, got, draft_s))
-        if reader is not None:
-            self._read(len(self.history) - 1)  # all but the last token, as the target (a first token too)
-        return out
-
-    def _read(self, pos: int) -> None:
-        """The reader reads the prompt up to pos; the longest such read is timed (read_timing)."""
-        clock = self.engine.clock
-        t0 = clock()
-        n = self.reader.read_to(pos)
-        if n >= READ_TIMED_MIN and (self.read_timing is None or n > self.read_timing[1]):
-            self.read_timing = (pos, n, clock() - t0)
+        if self.reader is None:
+            return [Timing(span.pos, span.n, got, None) for span, got in pending if not span.agree]
+        read = self.reader.read_prompt(pending, len(self.history) - 1)  # all but the last token, as the target
+        self.read_timing = read.longest
+        if read.agreement is not None:
+            self.agreement = read.agreement
+        return read.timings
 
     def drop_reader_prefill(self) -> None:
         """The reader will not read the prompt now (prefill_reader skipped): it catches up when it drafts."""
@@ -262,15 +218,6 @@ class Session:
             joined.append((self.tgt, rest, "none"))
         return done
 
-    def _agree_reader(self, pos: int, rows: AgreeRows) -> None:
-        """Decode history[pos:pos+n] on the reader with every row's logits and count the rows where its greedy
-        choice is the target's (rows.want): teacher-forced greedy acceptance (self.agreement); under rejection
-        sampling sum each row's expected acceptance Σ min(p, q) instead."""
-        self.reader.before_agreement(pos, len(rows.want))
-        got = self.reader.agreement(pos, rows.want, rows.expected(self.engine.target.n_vocab))
-        if got is not None:
-            self.agreement = got
-
     def generate(self, new_tokens: list[int], settings: GenerationSettings, speculative: bool = True) -> Generation:
         """A generation of `new_tokens` after the history; its settings' drafters checked against the registry
         and this engine, and listed in the order each step tries them."""
@@ -281,44 +228,3 @@ class Session:
         if speculative:
             registry.check(self.engine, settings.drafters)
         return Generation(self, new_tokens, settings, speculative)
-
-
-class AgreeRows(NamedTuple):
-    """The target's side of a prompt agreement: its greedy choices, and under rejection sampling its rows as
-    distributions with the settings that made them (None otherwise)."""
-
-    want: np.ndarray
-    p: list | None
-    sampled: GenerationSettings | None
-
-    @classmethod
-    def of(cls, logits, sampled: GenerationSettings | None) -> "AgreeRows":
-        if sampled is None:
-            return cls(logits.argmax(axis=1), None, None)
-        tf = _transform(sampled)
-        try:
-            return cls(logits.argmax(axis=1), [tf(r) for r in logits], sampled)
-        finally:
-            tf.close()
-
-    def expected(self, n_vocab: int):
-        """None (greedy), or a function of a drafter's logits rows: each row's expected acceptance Σ min(p, q)
-        against the target's (the draft restricted to ids the target has)."""
-        if self.p is None:
-            return None
-        p_rows, sampled = self.p, self.sampled
-
-        def expected(draft_rows) -> list[float]:
-            tf, out = _transform(sampled), []
-            try:
-                for p_row, r in zip(p_rows, draft_rows):
-                    q = restrict(tf(r), n_vocab)
-                    out.append(0.0 if q is None else overlap(q, p_row))
-            finally:
-                tf.close()
-            return out
-        return expected
-
-
-def _transform(s: GenerationSettings) -> Transform:
-    return Transform(s.temp, s.top_k, s.top_p, s.min_p)
