@@ -1,5 +1,5 @@
-"""Atomic file output, shared by the converter (GGUF files) and the pair manifest (convert, `specq tune --write`):
-a file appears whole under its name or not at all."""
+"""Atomic file output, every writer's (GGUF files, the pair manifest, bench JSON/CSV/plots, chat transcripts, the
+demo target): a file appears whole under its name or not at all."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import contextlib
 import os
 from pathlib import Path
 from typing import Iterator
+
+from .errors import UsageError
 
 # half-written outputs, removed by native/llama/abort_guard.py if the process has to end inside C
 pending: set[Path] = set()
@@ -33,3 +35,14 @@ def atomic_output(final: Path) -> Iterator[Path]:
         raise
     finally:
         pending.discard(tmp)
+
+
+def write_text(final: Path, text: str, what: str = "path") -> Path:
+    """Write `text` to `final` atomically (atomic_output). A missing folder is one UsageError naming it and
+    `what` chose the path (e.g. "--json path")."""
+    final = Path(final)
+    if not final.parent.is_dir():
+        raise UsageError(f"folder not found ({final.parent}); create it first or pick another {what}")
+    with atomic_output(final) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return final

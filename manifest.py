@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .atomic import atomic_output
+from .version import __version__
+from .atomic import atomic_output, write_text
 from .errors import ManifestError
 from .machine import cache_dir
 
@@ -56,9 +56,7 @@ def verified_sha256(path: Path) -> str:
     known[key] = digest
     try:
         store.parent.mkdir(parents=True, exist_ok=True)
-        tmp = store.with_name(f".{store.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known), encoding="utf-8")
-        os.replace(tmp, store)
+        write_text(store, json.dumps(known))
     except OSError:
         pass  # a read-only cache only costs a re-hash next time
     return digest

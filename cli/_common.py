@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import inspect
 import logging
 import sys
 from pathlib import Path
@@ -140,6 +141,65 @@ RpcOpt = Annotated[Optional[str], typer.Option("--rpc", help="RPC servers HOST:P
                                                             "RPC1, ...) and the local GPUs; the draft stays local.")]
 
 
+# -- the one group: each shared flag's annotation and default, stated here alone ----------------------------
+SHARED_FLAGS: dict[str, tuple] = {
+    "pair": (PairOpt, None), "target": (TargetOpt, None), "draft": (DraftOpt, None),
+    # generation
+    "draft_max": (DraftMaxOpt, "auto"), "draft_min": (DraftMinOpt, 0), "p_min": (PMinOpt, 0.0),
+    "temp": (TempOpt, 0.0), "top_k": (TopKOpt, 40), "top_p": (TopPOpt, 0.95), "min_p": (MinPOpt, 0.05),
+    "seed": (SeedOpt, 0), "accept": (AcceptOpt, "auto"), "drafter": (DrafterOpt, "model"),
+    "ngram_min": (NgramMinOpt, 3), "ngram_max": (NgramMaxOpt, 6),
+    # the engine
+    "ctx": (CtxOpt, 4096), "threads": (ThreadsOpt, None), "ctx_draft": (CtxDraftOpt, "auto"),
+    "threads_draft": (ThreadsDraftOpt, None), "ngl": (NglOpt, None), "ngl_draft": (NglDraftOpt, None),
+    "vram_budget": (VramBudgetOpt, None), "main_gpu": (MainGpuOpt, 0), "tensor_split": (TensorSplitOpt, None),
+    "device": (DeviceOpt, None), "draft_device": (DraftDeviceOpt, None), "rpc": (RpcOpt, None),
+    "cpu_amx": (CpuAmxOpt, False), "flash_attn": (FlashAttnOpt, "auto"),
+}
+GENERATION_FLAGS = ("draft_max", "draft_min", "p_min", "temp", "top_k", "top_p", "min_p", "seed", "accept",
+                    "drafter", "ngram_min", "ngram_max")
+PLACEMENT_FLAGS = ("threads", "ngl", "ngl_draft", "vram_budget", "main_gpu", "tensor_split", "device",
+                   "draft_device", "rpc", "cpu_amx", "flash_attn")
+ENGINE_FLAGS = ("ctx", "ctx_draft", "threads_draft") + PLACEMENT_FLAGS
+
+
+class Flags:
+    """The shared flags a command was given (`shared_flags`), as attributes; one it does not take reads as the
+    group's default."""
+
+    def __init__(self, values: dict):
+        self.__dict__.update(values)
+
+    def __getattr__(self, name: str):
+        if name not in SHARED_FLAGS:
+            raise AttributeError(name)
+        return SHARED_FLAGS[name][1]
+
+
+def shared_flags(*names: str):
+    """Give a command these flags of SHARED_FLAGS (annotation and default from there), after its own parameters
+    and before -v/-q; the command receives them as one `flags: Flags`. A flag the command declares itself (its own
+    meaning or default, as tune's --draft-max) is its own and is not added."""
+    def decorate(fn: Callable) -> Callable:
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.name != "flags"]
+        added = [n for n in names if n not in sig.parameters]
+        tail = [p for p in own if p.name in ("verbose", "quiet")]
+        params = [p for p in own if p not in tail] + [
+            inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=SHARED_FLAGS[n][0],
+                              default=SHARED_FLAGS[n][1]) for n in added] + tail
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            return fn(*args, flags=Flags({n: kwargs.pop(n) for n in added}), **kwargs)
+
+        command.__signature__ = sig.replace(parameters=params)
+        command.shared_flags = tuple(added)  # (tests/test_cli_flags.py)
+        del command.__wrapped__  # typer reads __signature__, not the wrapped function's
+        return command
+    return decorate
+
+
 def _number_or_auto(flag: str, value: str | int) -> int | str:
     if isinstance(value, int) or value == "auto":
         return value
@@ -226,40 +286,38 @@ def draft_for_drafters(settings: GenerationSettings, draft: Path | None) -> Path
     return draft if "model" in settings.drafters or settings.drafters == ("auto",) else None
 
 
-def engine_config(target: Path, draft: Path | None, settings: GenerationSettings, *, ctx: int,
-                  threads: int | None = None, ctx_draft: str | int = "auto", threads_draft: int | None = None,
-                  ngl: int | None = None, ngl_draft: int | None = None, vram_budget: str | None = None,
-                  main_gpu: int = 0, tensor_split: str | None = None, device: str | None = None,
-                  draft_device: str | None = None, cpu_amx: bool = False, flash_attn: str = "auto",
-                  rpc: str | None = None, parallel: int = 1) -> EngineConfig:
+def engine_config(target: Path, draft: Path | None, settings: GenerationSettings, flags: Flags, *, ctx: int,
+                  parallel: int = 1) -> EngineConfig:
     """The model-loading flags → the one EngineConfig a command hands down: the placement resolved (planner,
     --rpc probed), and the target's MTP head where the drafters need it."""
     from ..native.commands.placement import resolve_placement
     from ..native.drafters.registry import engine_options
 
+    f = flags
     tgt, dft = str(target), str(draft) if draft else None
-    p = resolve_placement(tgt, dft, ctx=ctx, ngl=ngl, ngl_draft=ngl_draft, vram_budget=vram_budget,
-                          main_gpu=main_gpu, tensor_split=tensor_split, device=device, draft_device=draft_device,
-                          cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc, parallel=parallel)
-    return EngineConfig(target=tgt, draft=dft, ctx=ctx, threads=threads, ngl=p.ngl, ngl_draft=p.ngl_draft,
+    p = resolve_placement(tgt, dft, ctx=ctx, ngl=f.ngl, ngl_draft=f.ngl_draft, vram_budget=f.vram_budget,
+                          main_gpu=f.main_gpu, tensor_split=f.tensor_split, device=f.device,
+                          draft_device=f.draft_device, cpu_amx=f.cpu_amx, flash_attn=f.flash_attn, rpc=f.rpc,
+                          parallel=parallel)
+    return EngineConfig(target=tgt, draft=dft, ctx=ctx, threads=f.threads, ngl=p.ngl, ngl_draft=p.ngl_draft,
                         main_gpu=p.main_gpu, tensor_split=p.tensor_split, draft_tensor_split=p.draft_tensor_split,
-                        devices=p.devices, draft_devices=p.draft_devices, draft_ctx=parse_ctx_draft(ctx_draft),
-                        draft_threads=threads_draft, cpu_amx=p.cpu_amx, flash_attn=p.flash_attn,
+                        devices=p.devices, draft_devices=p.draft_devices, draft_ctx=parse_ctx_draft(f.ctx_draft),
+                        draft_threads=f.threads_draft, cpu_amx=p.cpu_amx, flash_attn=p.flash_attn,
                         draft_flash_attn=p.draft_flash_attn, parallel=parallel,
                         **engine_options(settings.drafters))
 
 
-def settings_from_flags(suggested: dict, *, n_predict, draft_max, draft_min, p_min, temp, top_k, top_p, min_p, seed,
-                        accept, drafter="model", ngram_min=3, ngram_max=6) -> GenerationSettings:
-    """The generation settings from the flags, with a pair manifest's suggestions where a flag was not given."""
+def settings_from_flags(suggested: dict, flags: Flags, *, n_predict: int | None, **own) -> GenerationSettings:
+    """The generation settings from the shared flags (a command's `own` values, such as serve's seed, instead of
+    theirs), with a pair manifest's suggestions where a flag was not given."""
     from ..native.drafters.registry import parse_drafter
 
-    check_finite(temp=temp, p_min=p_min, top_p=top_p, min_p=min_p)
-    drafter = suggested.get("drafter", drafter)
+    v = {n: getattr(flags, n) for n in GENERATION_FLAGS} | own
+    check_finite(temp=v["temp"], p_min=v["p_min"], top_p=v["top_p"], min_p=v["min_p"])
+    drafter = suggested.get("drafter", v["drafter"])
     parse_drafter(drafter)  # a bad --drafter fails here, before a model loads (Session.generate orders the names)
     return GenerationSettings(
-        n_predict=n_predict, draft_max=parse_draft_max(suggested.get("draft_max", draft_max)),
-        draft_min=suggested.get("draft_min", draft_min), p_min=suggested.get("p_min", p_min), temp=temp,
-        top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, accept=accept,
-        drafter=drafter, ngram_min=ngram_min,
-        ngram_max=ngram_max).validate()
+        n_predict=n_predict, draft_max=parse_draft_max(suggested.get("draft_max", v["draft_max"])),
+        draft_min=suggested.get("draft_min", v["draft_min"]), p_min=suggested.get("p_min", v["p_min"]),
+        temp=v["temp"], top_k=v["top_k"], top_p=v["top_p"], min_p=v["min_p"], seed=v["seed"], accept=v["accept"],
+        drafter=drafter, ngram_min=v["ngram_min"], ngram_max=v["ngram_max"]).validate()

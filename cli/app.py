@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .. import __version__
+from ..version import __version__
 from . import bench, chat, convert, doctor, plan, presets, rpc, serve, tune
 
 app = typer.Typer(

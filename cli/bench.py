@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -15,18 +14,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from ..atomic import write_text
 from ..errors import UsageError
 from ..native.commands.bench import BenchConfig, load_prompt_set, read_prompts, run_bench, write_csv
 from ..native.commands.bench_plot import check_plot_available, plot_sweep
 from ..native.core.settings import GenerationSettings
 from ..native.drafters.registry import drafts_without_model
 from .checks import check_output_path, pair_warning
-from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, CtxOpt, DeviceOpt,
-                      DraftDeviceOpt, DrafterOpt, DraftMaxOpt, draft_for_drafters, engine_config,
-                      DraftMinOpt, DraftOpt, err, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt,
-                      NglOpt, NgramMaxOpt, NgramMinOpt, PairOpt, parse_draft_max, PMinOpt, Quiet, resolve_pair,
-                      SeedOpt, settings_from_flags, setup_logging, TargetOpt, TempOpt, TensorSplitOpt,
-                      ThreadsDraftOpt, ThreadsOpt, TopKOpt, TopPOpt, Verbose, VramBudgetOpt, warn)
+from ._common import (ENGINE_FLAGS, GENERATION_FLAGS, Flags, Quiet, Verbose, draft_for_drafters, engine_config, err,
+                      handle_errors, models_or_demo, parse_draft_max, resolve_pair, settings_from_flags,
+                      setup_logging, shared_flags, warn)
 
 
 def _fmt(v, spec: str = ".1f", none: str = "–") -> str:
@@ -195,40 +192,12 @@ def _progress(total: int, enabled: bool):
 
 
 @handle_errors
+@shared_flags("pair", "target", "draft", *GENERATION_FLAGS, *ENGINE_FLAGS)
 def main(
     click_ctx: typer.Context,
-    pair: PairOpt = None,
-    target: TargetOpt = None,
-    draft: DraftOpt = None,
     prompt: Annotated[Optional[list[str]], typer.Option(help="Prompt text (repeatable); raw, special tokens parsed.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="A prompt file (.jsonl: one {\"prompt\"} per line).")] = None,
     n_predict: Annotated[int, typer.Option(help="Tokens to generate per run.")] = 128,
-    draft_max: DraftMaxOpt = "auto",
-    draft_min: DraftMinOpt = 0,
-    p_min: PMinOpt = 0.0,
-    temp: TempOpt = 0.0,
-    top_k: TopKOpt = 40,
-    top_p: TopPOpt = 0.95,
-    min_p: MinPOpt = 0.05,
-    seed: SeedOpt = 0,
-    accept: AcceptOpt = "auto",
-    drafter: DrafterOpt = "model",
-    ngram_min: NgramMinOpt = 3,
-    ngram_max: NgramMaxOpt = 6,
-    ctx: CtxOpt = 4096,
-    threads: ThreadsOpt = None,
-    ctx_draft: CtxDraftOpt = "auto",
-    threads_draft: ThreadsDraftOpt = None,
-    ngl: NglOpt = None,
-    ngl_draft: NglDraftOpt = None,
-    vram_budget: VramBudgetOpt = None,
-    main_gpu: MainGpuOpt = 0,
-    tensor_split: TensorSplitOpt = None,
-    device: DeviceOpt = None,
-    draft_device: DraftDeviceOpt = None,
-    rpc: RpcOpt = None,
-    cpu_amx: CpuAmxOpt = False,
-    flash_attn: FlashAttnOpt = "auto",
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt as a user turn in the target's chat "
                                                       "template (default: raw text, as llama.cpp's -p).")] = False,
     repeat: Annotated[int, typer.Option(help="Repeats per prompt (medians are reported).")] = 1,
@@ -244,17 +213,18 @@ def main(
                                                       "(needs matplotlib: specq[plot]).")] = None,
     verbose: Verbose = False,
     quiet: Quiet = False,
+    *,
+    flags: Flags,
 ) -> None:
+    f = flags
     setup_logging(verbose, quiet)
-    target, draft, suggested = resolve_pair(pair, target, draft, click_ctx)
-    ctx = suggested.get("ctx", ctx)
-    settings = settings_from_flags(suggested, n_predict=n_predict, draft_max=draft_max, draft_min=draft_min,
-                                   p_min=p_min, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                   accept=accept, drafter=drafter, ngram_min=ngram_min, ngram_max=ngram_max)
+    target, draft, suggested = resolve_pair(f.pair, f.target, f.draft, click_ctx)
+    ctx = suggested.get("ctx", f.ctx)
+    settings = settings_from_flags(suggested, f, n_predict=n_predict)
     if repeat < 1:
         raise UsageError(f"--repeat must be at least 1 ({repeat})")
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads must be at least 1 ({threads})")
+    if f.threads is not None and f.threads < 1:
+        raise UsageError(f"--threads must be at least 1 ({f.threads})")
     if prompt_set is not None and (prompt or prompt_file):
         raise UsageError("give --prompt-set, --prompt or --prompt-file, not several")
     names, prompts = load_prompt_set(prompt_set) if prompt_set is not None else ((), read_prompts(prompt, prompt_file))
@@ -275,18 +245,16 @@ def main(
     if sweep and not drafts:
         raise UsageError("a sweep needs a --draft (or --drafter ngram): there is nothing to sweep without one")
     draft = draft_for_drafters(settings, draft)
-    engine = engine_config(target, draft, settings, ctx=ctx, threads=threads, ctx_draft=ctx_draft,
-                           threads_draft=threads_draft, ngl=ngl, ngl_draft=ngl_draft, vram_budget=vram_budget,
-                           main_gpu=main_gpu, tensor_split=tensor_split, device=device, draft_device=draft_device,
-                           cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc)
+    engine = engine_config(target, draft, settings, f, ctx=ctx)
     cfg = BenchConfig(engine=engine, prompts=prompts, settings=settings, repeat=repeat,
                       baseline=not no_baseline, chat=chat,
                       extra_settings={"prompt_file": str(prompt_file) if prompt_file else None,
-                                      "vram_budget": vram_budget, "main_gpu": main_gpu,
+                                      "vram_budget": f.vram_budget, "main_gpu": f.main_gpu,
                                       "ctx_draft": engine.draft_ctx,
-                                      "threads_draft": threads_draft,
-                                      "tensor_split": tensor_split, "device": device, "draft_device": draft_device,
-                                      "cpu_amx": cpu_amx, "rpc": rpc, "flash_attn": engine.flash_attn,
+                                      "threads_draft": f.threads_draft,
+                                      "tensor_split": f.tensor_split, "device": f.device,
+                                      "draft_device": f.draft_device,
+                                      "cpu_amx": f.cpu_amx, "rpc": f.rpc, "flash_attn": engine.flash_attn,
                                       "draft_flash_attn": engine.draft_flash_attn,
                                       "prompt_set": prompt_set, "sweep_draft_max": ks if sweep_draft_max else None,
                                       "sweep_p_min": pmins if sweep_p_min else None},
@@ -324,11 +292,4 @@ def main(
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    if not path.parent.is_dir():
-        raise UsageError(f"folder not found ({path.parent}); create it first or pick another --json path")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text(path, text, "--json path")

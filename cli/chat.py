@@ -19,12 +19,9 @@ from rich.text import Text
 from ..errors import ContextFullError, UsageError
 from ..native.commands.chat import (HELP, AnswerProgress, ChatSession, Command, ConversationFullError, apply_setting,
                                     open_chat, panel_data, parse_command)
-from ._common import (RpcOpt, AcceptOpt, CpuAmxOpt, FlashAttnOpt, CtxDraftOpt, CtxOpt, DeviceOpt,
-                      DraftDeviceOpt, DrafterOpt, DraftMaxOpt, draft_for_drafters, engine_config,
-                      DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt,
-                      NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, SeedOpt, settings_from_flags,
-                      setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt,
-                      TopPOpt, Verbose, VramBudgetOpt, warn)
+from ._common import (draft_for_drafters, engine_config, ENGINE_FLAGS, Flags, GENERATION_FLAGS, handle_errors,
+                      models_or_demo, Quiet, resolve_pair, settings_from_flags, setup_logging, shared_flags, Verbose,
+                      warn)
 from .checks import pair_warning, user_path
 from .chat_view import StreamBuffer, build_panel, stats_table
 
@@ -232,61 +229,32 @@ def piped(chat: ChatSession, lines: TextIO, stdout: TextIO, stderr: Console) -> 
 
 
 @handle_errors
+@shared_flags("pair", "target", *GENERATION_FLAGS, *ENGINE_FLAGS)
 def main(
     click_ctx: typer.Context,
-    pair: PairOpt = None,
-    target: TargetOpt = None,
     draft: Annotated[Optional[Path], typer.Option(help="Draft GGUF; without it the target runs alone.")] = None,
     system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
     template: Annotated[Optional[str], typer.Option(help="Chat template (a Jinja file or text) when the model "
                                                           "has none or to override its own.")] = None,
     n_predict: Annotated[Optional[int], typer.Option(help="Most tokens per answer (default: until the end of "
                                                            "generation or a full context).")] = None,
-    draft_max: DraftMaxOpt = "auto",
-    draft_min: DraftMinOpt = 0,
-    p_min: PMinOpt = 0.0,
-    temp: TempOpt = 0.0,
-    top_k: TopKOpt = 40,
-    top_p: TopPOpt = 0.95,
-    min_p: MinPOpt = 0.05,
-    seed: SeedOpt = 0,
-    accept: AcceptOpt = "auto",
-    drafter: DrafterOpt = "model",
-    ngram_min: NgramMinOpt = 3,
-    ngram_max: NgramMaxOpt = 6,
-    ctx: CtxOpt = 4096,
-    threads: ThreadsOpt = None,
-    ctx_draft: CtxDraftOpt = "auto",
-    threads_draft: ThreadsDraftOpt = None,
-    ngl: NglOpt = None,
-    ngl_draft: NglDraftOpt = None,
-    vram_budget: VramBudgetOpt = None,
-    main_gpu: MainGpuOpt = 0,
-    tensor_split: TensorSplitOpt = None,
-    device: DeviceOpt = None,
-    draft_device: DraftDeviceOpt = None,
-    rpc: RpcOpt = None,
-    cpu_amx: CpuAmxOpt = False,
-    flash_attn: FlashAttnOpt = "auto",
     no_color: Annotated[bool, typer.Option("--no-color", help="No colours (draft and target tokens look alike).")] = False,
     verbose: Verbose = False,
     quiet: Quiet = False,
+    *,
+    flags: Flags,
 ) -> None:
+    f = flags
     setup_logging(verbose, quiet)
-    target, draft, suggested = resolve_pair(pair, target, draft, click_ctx)
-    ctx = suggested.get("ctx", ctx)
-    settings = settings_from_flags(suggested, n_predict=n_predict, draft_max=draft_max, draft_min=draft_min,
-                                   p_min=p_min, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                   accept=accept, drafter=drafter, ngram_min=ngram_min, ngram_max=ngram_max)
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads must be at least 1 ({threads})")
+    target, draft, suggested = resolve_pair(f.pair, f.target, draft, click_ctx)
+    ctx = suggested.get("ctx", f.ctx)
+    settings = settings_from_flags(suggested, f, n_predict=n_predict)
+    if f.threads is not None and f.threads < 1:
+        raise UsageError(f"--threads must be at least 1 ({f.threads})")
     target, draft = models_or_demo(target, draft)
     draft = draft_for_drafters(settings, draft)
     warn(pair_warning(target, draft), quiet)
-    engine = engine_config(target, draft, settings, ctx=ctx, threads=threads, ctx_draft=ctx_draft,
-                           threads_draft=threads_draft, ngl=ngl, ngl_draft=ngl_draft, vram_budget=vram_budget,
-                           main_gpu=main_gpu, tensor_split=tensor_split, device=device, draft_device=draft_device,
-                           cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc)
+    engine = engine_config(target, draft, settings, f, ctx=ctx)
     chat = open_chat(engine, template=template, settings=settings, system=system)
     final = None
     # Undecodable input bytes arrive as lone surrogates, which ChatSession.ask refuses with one line per turn.

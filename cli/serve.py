@@ -11,12 +11,8 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import UsageError
-from ._common import (RpcOpt, AcceptOpt, CtxDraftOpt, CtxOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt,
-                      DraftDeviceOpt, DrafterOpt, DraftMaxOpt, draft_for_drafters, engine_config,
-                      DraftMinOpt, handle_errors, MainGpuOpt, MinPOpt, models_or_demo, NglDraftOpt, NglOpt,
-                      NgramMaxOpt, NgramMinOpt, PairOpt, PMinOpt, Quiet, resolve_pair, settings_from_flags,
-                      setup_logging, TargetOpt, TempOpt, TensorSplitOpt, ThreadsDraftOpt, ThreadsOpt, TopKOpt,
-                      TopPOpt, Verbose, VramBudgetOpt)
+from ._common import (draft_for_drafters, engine_config, ENGINE_FLAGS, Flags, GENERATION_FLAGS, handle_errors,
+                      models_or_demo, Quiet, resolve_pair, settings_from_flags, setup_logging, shared_flags, Verbose)
 
 
 def _route_server_logs(verbose: bool) -> None:
@@ -52,10 +48,9 @@ def _parse_size_flag(flag: str, text: str) -> int:
 
 
 @handle_errors
+@shared_flags("pair", "target", *GENERATION_FLAGS, *ENGINE_FLAGS)
 def main(
     click_ctx: typer.Context,
-    pair: PairOpt = None,
-    target: TargetOpt = None,
     draft: Annotated[Optional[Path], typer.Option(help="Draft GGUF; without it the target runs alone.")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on (loopback only by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8080,
@@ -71,46 +66,22 @@ def main(
     max_tokens: Annotated[int, typer.Option(help="Most tokens one request may generate (also its default).")] = 4096,
     template: Annotated[Optional[str], typer.Option(help="Chat template (a Jinja file or text) when the model "
                                                           "has none or to override its own.")] = None,
-    draft_max: DraftMaxOpt = "auto",
-    draft_min: DraftMinOpt = 0,
-    p_min: PMinOpt = 0.0,
     temp: Annotated[float, typer.Option(help="Temperature of requests that give none; 0 is greedy.")] = 0.0,
-    top_k: TopKOpt = 40,
-    top_p: TopPOpt = 0.95,
-    min_p: MinPOpt = 0.05,
     seed: Annotated[Optional[int], typer.Option(help="Seed of requests that give none (default: a fresh random "
                                                      "seed per request).")] = None,
-    accept: AcceptOpt = "auto",
-    drafter: DrafterOpt = "model",
-    ngram_min: NgramMinOpt = 3,
-    ngram_max: NgramMaxOpt = 6,
-    ctx: CtxOpt = 4096,
-    threads: ThreadsOpt = None,
-    ctx_draft: CtxDraftOpt = "auto",
-    threads_draft: ThreadsDraftOpt = None,
-    ngl: NglOpt = None,
-    ngl_draft: NglDraftOpt = None,
-    vram_budget: VramBudgetOpt = None,
-    main_gpu: MainGpuOpt = 0,
-    tensor_split: TensorSplitOpt = None,
-    device: DeviceOpt = None,
-    draft_device: DraftDeviceOpt = None,
-    rpc: RpcOpt = None,
-    cpu_amx: CpuAmxOpt = False,
-    flash_attn: FlashAttnOpt = "auto",
     verbose: Verbose = False,
     quiet: Quiet = False,
+    *,
+    flags: Flags,
 ) -> None:
     from ..native.serving.app import ServeConfig, bind_socket, open_server, require_serve_extra
 
     setup_logging(verbose, quiet)
     require_serve_extra()
-    target, draft, suggested = resolve_pair(pair, target, draft, click_ctx)
-    ctx = suggested.get("ctx", ctx)
-    defaults = settings_from_flags(suggested, n_predict=max_tokens, draft_max=draft_max, draft_min=draft_min,
-                                   p_min=p_min, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                                   seed=seed or 0, accept=accept, drafter=drafter, ngram_min=ngram_min,
-                                   ngram_max=ngram_max)
+    f = flags
+    target, draft, suggested = resolve_pair(f.pair, f.target, draft, click_ctx)
+    ctx = suggested.get("ctx", f.ctx)
+    defaults = settings_from_flags(suggested, f, n_predict=max_tokens, temp=temp, seed=seed or 0)
     cfg = ServeConfig(host=host, port=port, api_key=api_key or None, max_queue=max_queue,
                       max_body=_parse_size_flag("--max-body", max_body), max_tokens=max_tokens, seed=seed).validate()
     target, draft = models_or_demo(target, draft)
@@ -120,11 +91,7 @@ def main(
         print(warning, file=sys.stderr, flush=True)
     sock = bind_socket(host, port)
     try:
-        engine = engine_config(target, draft, defaults, ctx=ctx, threads=threads, ctx_draft=ctx_draft,
-                               threads_draft=threads_draft, ngl=ngl, ngl_draft=ngl_draft, vram_budget=vram_budget,
-                               main_gpu=main_gpu, tensor_split=tensor_split, device=device,
-                               draft_device=draft_device, cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc,
-                               parallel=parallel)
+        engine = engine_config(target, draft, defaults, f, ctx=ctx, parallel=parallel)
         server = open_server(engine, template=template, defaults=defaults, cfg=cfg)
         try:
             _route_server_logs(verbose)

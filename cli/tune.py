@@ -10,14 +10,13 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
+from ..atomic import write_text
 from ..errors import UsageError
 from ..native.core.settings import DRAFT_MAX_CAP
 from ..native.commands.tune import DEFAULT_PROMPTS, TuneResult, calibrate, write_tuned
 from ..native.core.settings import GenerationSettings
-from ._common import (RpcOpt, CpuAmxOpt, FlashAttnOpt, DeviceOpt, DraftDeviceOpt, DrafterOpt, DraftOpt,
-                      draft_for_drafters, engine_config, err, handle_errors, MainGpuOpt, models_or_demo,
-                      NglDraftOpt, NglOpt, out, PairOpt, Quiet, resolve_pair, setup_logging, TargetOpt,
-                      TensorSplitOpt, ThreadsOpt, Verbose, VramBudgetOpt, warn)
+from ._common import (draft_for_drafters, engine_config, err, Flags, handle_errors, models_or_demo, out,
+                      PLACEMENT_FLAGS, Quiet, resolve_pair, setup_logging, shared_flags, Verbose, warn)
 from .checks import check_finite, check_output_path, pair_warning
 
 
@@ -46,32 +45,22 @@ def recommendation(result: TuneResult) -> str:
 
 
 @handle_errors
+@shared_flags("target", "draft", "pair", "drafter", *PLACEMENT_FLAGS)
 def main(
     click_ctx: typer.Context,
-    target: TargetOpt = None,
-    draft: DraftOpt = None,
-    pair: PairOpt = None,
     n_predict: Annotated[int, typer.Option(help="Tokens generated per calibration prompt.")] = 64,
     draft_max: Annotated[int, typer.Option(help="Draft length measured (acceptance by position up to it).")] = 8,
     temp: Annotated[float, typer.Option(help="Temperature of the calibration runs; 0 is greedy.")] = 0.0,
-    ctx: Annotated[int, typer.Option(help="Context size (tokens).")] = 1024,
-    threads: ThreadsOpt = None,
-    ngl: NglOpt = None,
-    ngl_draft: NglDraftOpt = None,
-    vram_budget: VramBudgetOpt = None,
-    main_gpu: MainGpuOpt = 0,
-    tensor_split: TensorSplitOpt = None,
-    device: DeviceOpt = None,
-    draft_device: DraftDeviceOpt = None,
-    rpc: RpcOpt = None,
-    cpu_amx: CpuAmxOpt = False,
-    flash_attn: FlashAttnOpt = "auto",
-    drafter: DrafterOpt = "model",
+    ctx: Annotated[int, typer.Option(help="Context size (tokens): the calibration prompts are short.")] = 1024,
     write: Annotated[bool, typer.Option("--write", help="Store the result as [tuned] in the pair manifest.")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the result as JSON to PATH, or - for stdout.")] = None,
     verbose: Verbose = False,
     quiet: Quiet = False,
+    *,
+    flags: Flags,
 ) -> None:
+    f = flags
+    pair, drafter = f.pair, f.drafter
     setup_logging(verbose, quiet)
     if not 1 <= draft_max <= DRAFT_MAX_CAP:
         raise UsageError(f"--draft-max must be between 1 and {DRAFT_MAX_CAP} ({draft_max})")
@@ -87,15 +76,13 @@ def main(
 
     parse_drafter(drafter)  # a bad --drafter fails here, before a model loads
     settings = GenerationSettings(draft_max=draft_max, drafter=drafter).validate()
-    target, draft, _ = resolve_pair(pair, target, draft, click_ctx)
+    target, draft, _ = resolve_pair(pair, f.target, f.draft, click_ctx)
     target, draft = models_or_demo(target, draft)
     warn(pair_warning(target, draft), quiet)
     if draft is None and settings.drafters == ("model",):
         raise UsageError("tune needs a draft model; pass --draft (or a --pair with a draft, or --drafter ngram/mtp)")
     draft = draft_for_drafters(settings, draft)
-    engine = engine_config(target, draft, settings, ctx=ctx, threads=threads, ngl=ngl, ngl_draft=ngl_draft,
-                           vram_budget=vram_budget, main_gpu=main_gpu, tensor_split=tensor_split, device=device,
-                           draft_device=draft_device, cpu_amx=cpu_amx, flash_attn=flash_attn, rpc=rpc)
+    engine = engine_config(target, draft, settings, f, ctx=ctx)
     with engine.open() as eng:
         result = calibrate(eng, DEFAULT_PROMPTS, n_predict=n_predict, draft_max=draft_max, temp=temp,
                            drafter=drafter)
@@ -107,7 +94,7 @@ def main(
     if json_out == "-":
         sys.stdout.write(doc + "\n")
     elif json_out:
-        Path(json_out).write_text(doc + "\n", encoding="utf-8")
+        write_text(Path(json_out), doc + "\n", "--json path")
     console = err if json_out == "-" else out
     if not quiet:
         console.print(render(result))

@@ -13,7 +13,7 @@ import specq.native.runtime.generation as generation_mod
 import specq.native.drafters.window as window_mod
 from beside import draft_memory
 from specq.errors import UsageError
-from specq.native.control.length import NEAR_BEST, REACH_STEP, AdaptiveDraft
+from specq.native.control.length import NEAR_BEST, REACH_STEP, LengthController
 from specq.native.control.step import StepOutcome
 from specq.native.control.window import paired_acceptance, window_pays, window_pays_at
 from specq.native.core.settings import (AGREE_TOKENS, AUTO_DRAFT_CAP, DRAFT_SINK, WINDOW_PROBATION, WINDOW_TRIAL,
@@ -24,7 +24,7 @@ from specq.native.runtime.engine import Engine, SimulatedClock
 def simulate(alpha: float, draft_ms: float, verify_ms, steps: int = 300, seed: int = 0):
     """Run the controller against a synthetic pair: i.i.d. acceptance alpha, fixed costs."""
     rng = np.random.default_rng(seed)
-    c = AdaptiveDraft(cap=16)
+    c = LengthController(cap=16)
     ks, tokens, time_s = [], 0, 0.0
     for _ in range(steps):
         k = c.choose(16)
@@ -154,7 +154,7 @@ def test_engine_auto_with_perfect_cheap_draft_drafts_and_accepts(pairs):
 
 
 def test_a_noisy_cheap_reading_of_a_big_verify_does_not_make_drafting_look_free():
-    c = AdaptiveDraft(cap=4, cost_ratio_prior=0.5)
+    c = LengthController(cap=4, cost_ratio_prior=0.5)
     for _ in range(20):  # plain decoding: one-token verifies at 10 ms
         c.observe(StepOutcome(0, 0, None, 0.010, 0.0))
     # one probe (5 ms of drafting) whose 2-token verify happened to read 6 ms (noise)
@@ -175,7 +175,7 @@ def test_a_single_token_verify_does_not_set_the_slope_of_batch_verifies():
 
 
 def test_positions_never_tried_inherit_the_last_tried_position_not_the_pooled_rate():
-    c = AdaptiveDraft(cap=8)
+    c = LengthController(cap=8)
     for i in range(20):  # every other step rejects at position 1; past it, every token is accepted
         c.observe(StepOutcome(3, 0 if i % 2 else 3, 0.001, 0.01, 0.0))
     a = c.alphas()
@@ -505,7 +505,7 @@ def test_a_few_unlucky_first_drafts_do_not_stop_drafting_for_the_whole_answer():
     # well. The first three drafts are all rejected (a hard opening), everything after is accepted. Plain
     # decoding wins on that thin evidence; one-token probes every other step must bring drafting back within a
     # few steps, not after probe_min (16) plain steps.
-    c = AdaptiveDraft(cap=8)
+    c = LengthController(cap=8)
     ks = []
     for step in range(30):
         k = c.choose(8)
@@ -521,7 +521,7 @@ def test_probes_on_thin_evidence_are_spaced_out_when_they_cost():
     # A useless draft that is dear (8 ms a token against 20 ms plain, verifies of 27 ms): every probe costs most
     # of a plain token and gains nothing. The every-other-step probing of thin evidence would spend ~7 probes in
     # the first 14 steps; spaced within its budget, it spends a few over 60 steps.
-    c = AdaptiveDraft(cap=8)
+    c = LengthController(cap=8)
     for _ in range(60):
         k = c.choose(8)
         c.observe(StepOutcome(k, 0, 0.008 if k > 1 else None, (20.0 if k == 0 else 26.0 + k) / 1e3, 0.0,
@@ -612,7 +612,7 @@ def test_probes_cost_at_most_a_few_percent_where_drafting_barely_pays(alpha):
     # starts from its 75% prior with single-token costs calibrated (as a prefill does); its probes may cost at
     # most ExploreBudget.share of the time so far, so a 48-token answer ends within ~3% of plain decoding.
     for n_tokens in (48, 400):
-        c = AdaptiveDraft(cap=16)
+        c = LengthController(cap=16)
         c.calibrate(4096, 0.036, 0.026)
         c.calibrate(4096, 0.041 + 0.0058 * 5, None, 5)
         c.calibrate(4096, 0.041 + 0.0058 * 2, None, 2)
@@ -627,7 +627,7 @@ def test_without_the_probe_budget_the_probes_cost_more(monkeypatch):
     from specq.native.control import explore
 
     monkeypatch.setattr(explore.ExploreBudget, "allows", lambda self, *args: True)
-    c = AdaptiveDraft(cap=16)
+    c = LengthController(cap=16)
     c.calibrate(4096, 0.036, 0.026)
     c.calibrate(4096, 0.041 + 0.0058 * 5, None, 5)
     c.calibrate(4096, 0.041 + 0.0058 * 2, None, 2)
@@ -635,7 +635,7 @@ def test_without_the_probe_budget_the_probes_cost_more(monkeypatch):
     assert slower > 1.04, slower
 
 
-def deep_8k_opening(seed: int = 0) -> tuple[AdaptiveDraft, list[int], float]:
+def deep_8k_opening(seed: int = 0) -> tuple[LengthController, list[int], float]:
     """The deep pair at 8k tokens on a 2-core CPU, as measured (benchmarks/long_context.py): plain 164 ms a token,
     a draft token 36 ms, verifies of 200 ms + 40 ms a row (17 tokens: 880 ms, five single ones). An answer's
     opening is easy: the first two drafts are accepted whole, then acceptance is i.i.d. 0.7 (drafting at best
@@ -643,7 +643,7 @@ def deep_8k_opening(seed: int = 0) -> tuple[AdaptiveDraft, list[int], float]:
     rng = np.random.default_rng(seed)
     plain, per = 0.164, 0.036
     verify = lambda b: plain if b == 1 else 0.200 + 0.040 * b  # noqa: E731
-    c = AdaptiveDraft(cap=16)
+    c = LengthController(cap=16)
     c.calibrate(8192, plain, per)
     for b in (5, 2):
         c.calibrate(8192, verify(b), None, b)
@@ -672,7 +672,7 @@ def test_past_the_positions_tried_a_dear_draft_grows_a_few_positions_at_a_time()
     def verify(b):
         return (37.0 + 6.0 * (b - 1)) / 1e3
 
-    c = AdaptiveDraft(cap=16)
+    c = LengthController(cap=16)
     c.calibrate(2048, verify(1), 0.020)
     for b in (5, 2):
         c.calibrate(2048, verify(b), None, b)

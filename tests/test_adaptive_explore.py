@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specq.native.control.chooser import AdaptiveDrafters
-from specq.native.control.length import NEW_ANSWER_KEEP, AdaptiveDraft
+from specq.native.control.chooser import DrafterChooser
+from specq.native.control.length import NEW_ANSWER_KEEP, LengthController
 from specq.native.control.step import StepOutcome
 
 # As measured on a 2-core Xeon (copy-edit prompts, the demo F32 target, the demo draft cut to its first 10 blocks):
@@ -37,8 +37,8 @@ def answers(auto: bool, seed: int, n_answers: int = 3, n_tokens: int = 150, good
     has_match = has_match if match is None else match
     model_right = rng.random(n_answers * 1000) < (GOOD["alpha"] if good else 0.0)
     first, per, catch = (GOOD["first"], GOOD["per"], GOOD["catch"]) if good else (FIRST, FIRST, CATCH)
-    c = (AdaptiveDrafters(16, {"model": 0.2, "ngram": 0.01}, model="model", memoryless={"ngram"}) if auto
-         else AdaptiveDraft(16, cost_ratio_prior=0.01))
+    c = (DrafterChooser(16, {"model": 0.2, "ngram": 0.01}, model="model", memoryless={"ngram"}) if auto
+         else LengthController(16, cost_ratio_prior=0.01))
     times, model_steps = [], []
     for ans in range(n_answers):
         c.new_answer()
@@ -104,7 +104,7 @@ def test_auto_beside_a_useless_draft_keeps_within_5_percent_of_ngrams_alone():
 def test_an_exploration_that_gains_pays_back_into_the_budget():
     """A drafter explored in the best one's place books its measured loss against the displaced pace: a try that
     emitted more than the best drafter would have in its time books a gain."""
-    c = AdaptiveDrafters(8, {"model": 0.2, "ngram": 0.01}, model="model", memoryless={"ngram"})
+    c = DrafterChooser(8, {"model": 0.2, "ngram": 0.01}, model="model", memoryless={"ngram"})
     c.exploring = ("model", 0.010)  # the displaced drafter's tokens cost 10 ms each
     c.observe(StepOutcome(4, 4, 0.001, 0.030, 0.0, draft_s=0.004, first_token_s=0.001, drafter="model"))
     assert c.shared.budget.spent_s == pytest.approx(0.034 - 5 * 0.010)
@@ -146,7 +146,7 @@ def test_beside_ngrams_copying_a_good_model_does_not_pay_a_long_catch_up_for_a_f
     assert c.run_mean["model"] is not None and c.run_mean["model"] < 20  # the runs were measured: short
     runs = _copy_edit_ratios()
     assert runs[2] >= 0.93 and runs[0] >= 0.88, runs
-    monkeypatch.setattr(AdaptiveDrafters, "_end_run", lambda self, name: None)  # no run measured: the rest
+    monkeypatch.setattr(DrafterChooser, "_end_run", lambda self, name: None)  # no run measured: the rest
     rest = _copy_edit_ratios()
     assert rest[2] < runs[2] - 0.1, (rest, runs)
 
@@ -157,7 +157,7 @@ def next_answer_opening(first: float | None) -> tuple[float, float]:
     whose edits the n-gram missed at once, six times, while the model drafted the rest. At the first step of a
     fifth answer: the n-gram's position-1 estimate and its best expected tokens/s. `first`: position 1's weight
     kept across an answer for the n-gram (None: the chooser's own rule)."""
-    c = AdaptiveDrafters(16, {"model": 0.2, "ngram": 0.01}, model="model", memoryless={"ngram"})
+    c = DrafterChooser(16, {"model": 0.2, "ngram": 0.01}, model="model", memoryless={"ngram"})
 
     def new_answer() -> None:
         c.new_answer()

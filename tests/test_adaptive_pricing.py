@@ -12,7 +12,7 @@ import pytest
 from specq.native.control import length
 from specq.native.control.acceptance import Acceptance
 from specq.native.control.expected import best_draft_length
-from specq.native.control.length import AdaptiveDraft
+from specq.native.control.length import LengthController
 from specq.native.control.step import StepOutcome
 
 DRAFT_S = 0.014
@@ -22,7 +22,7 @@ def verify(b: int) -> float:
     return 0.082 if b == 1 else 0.095 + 0.010 * (b - 2)
 
 
-def step(c: AdaptiveDraft, k: int, accepted: int, verify_s: float) -> None:
+def step(c: LengthController, k: int, accepted: int, verify_s: float) -> None:
     c.observe(StepOutcome(k, accepted, DRAFT_S if k > 1 else None, verify_s, 0.0, draft_s=DRAFT_S * k if k else None,
                           first_token_s=DRAFT_S if k else None))
 
@@ -30,7 +30,7 @@ def step(c: AdaptiveDraft, k: int, accepted: int, verify_s: float) -> None:
 def test_one_noisy_reading_of_a_batch_size_does_not_stay_its_price():
     # A 4-token verify read once during a spike (1.6x), then the controller drafts 2 and 5 for a while: by per-size
     # means, the spike stays the price of k=3 for as long as k=3 is not chosen, so it is not chosen again.
-    c = AdaptiveDraft(cap=8)
+    c = LengthController(cap=8)
     for b in (3, 6, 3, 6):
         step(c, b - 1, b - 1, verify(b))
     step(c, 3, 3, 1.6 * verify(4))
@@ -58,7 +58,7 @@ def test_the_shortest_length_near_the_best_and_a_reach_that_still_grows():
     assert best_draft_length([0.05] * 16, DRAFT_S, verify, within=0.03)[0] == 0
 
 
-def drafted(c: AdaptiveDraft, rng: np.random.Generator, k: int, alpha: float) -> tuple[int, float]:
+def drafted(c: LengthController, rng: np.random.Generator, k: int, alpha: float) -> tuple[int, float]:
     """One step of k drafts at i.i.d. acceptance alpha, its verify read with noise and spikes: (tokens, seconds)."""
     a = 0
     while a < k and rng.random() < alpha:
@@ -72,7 +72,7 @@ def simulate(seed: int, fixed: int | None = None, n_tokens: int = 3000) -> float
     """Tokens per second over text whose acceptance switches every 120 tokens between 0.95 (boilerplate, a
     list) and 0.6 (free prose), i.i.d. within a stretch; `fixed`: that draft length every step instead of auto."""
     rng = np.random.default_rng(seed)
-    c = AdaptiveDraft(cap=16)
+    c = LengthController(cap=16)
     tokens, time_s = 0, 0.0
     while tokens < n_tokens:
         k = c.choose(16) if fixed is None else fixed
@@ -104,7 +104,7 @@ def answers(seed: int, fixed: int | None = None, n_answers: int = 24) -> float:
     """Tokens per second over answers of 128 tokens whose acceptance differs (0.97, 0.75, 0.85, 0.6 in turn: a
     list, then prose, code, a translation), each a new generation for the controller (`new_answer`)."""
     rng = np.random.default_rng(seed)
-    c = AdaptiveDraft(cap=16)
+    c = LengthController(cap=16)
     tokens, time_s = 0, 0.0
     for i in range(n_answers):
         alpha = (0.97, 0.75, 0.85, 0.6)[i % 4]
@@ -130,7 +130,7 @@ def poor_opening(seed: int) -> int:
     """Plain steps in an answer whose first six drafts are rejected, after three answers drafted well (the demo
     pair's costs: a draft token half a plain one; T 1.0, each position observed as its expected acceptance)."""
     rng = np.random.default_rng(seed)
-    c, plain_s, draft_s = AdaptiveDraft(cap=16), 0.025, 0.012
+    c, plain_s, draft_s = LengthController(cap=16), 0.025, 0.012
     for answer in range(4):
         c.new_answer()
         n, steps, plain = 0, 0, 0
@@ -168,13 +168,13 @@ def test_one_answers_poor_opening_does_not_send_it_plain(monkeypatch):
     assert min(poor_opening(s) for s in range(6)) >= 6
 
 
-def after_a_hard_stretch(seed: int) -> tuple[AdaptiveDraft, int, int]:
+def after_a_hard_stretch(seed: int) -> tuple[LengthController, int, int]:
     """(controller, plain steps in the hard answer's last 60 tokens, plain steps in the next answer): three answers
     drafted at α 0.9, a fourth whose second half is hard (α 0.5 for 40 tokens, then 0.9), then one at α 0.95. Greedy
     0/1 outcomes; the deep pair's costs on 2 cores (a 2-row verify costs 1.55 single ones; the draft catches up on
     plain tokens at 4 ms each)."""
     rng = np.random.default_rng(seed)
-    c, plain_s, draft_s = AdaptiveDraft(cap=16), 0.045, 0.009
+    c, plain_s, draft_s = LengthController(cap=16), 0.045, 0.009
     verify = {1: plain_s, 2: 0.070, 3: 0.075}
     late = nxt = 0
     for answer in range(5):

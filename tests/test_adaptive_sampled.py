@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specq.native.control.length import AdaptiveDraft
+from specq.native.control.length import LengthController
 from specq.native.control.step import StepOutcome
 from specq.native.core.accept import expected_acceptance, overlap, rejection_emit
 from specq.native.runtime.engine import Engine, SimulatedClock
@@ -48,7 +48,7 @@ def simulate(phases, seed: int, draft_ms: float = 6.0, verify=lambda b: 20.0 + 2
     acceptance) draws every position's expected acceptance around its mean (tokens differ), and the step's 0/1
     outcomes from those. `soft`: the step also reports them (as the engine does under rejection sampling)."""
     rng = np.random.default_rng(seed)
-    c = AdaptiveDraft(cap=cap)
+    c = LengthController(cap=cap)
     c.calibrate(0, verify(1) / 1e3, draft_ms / 1e3)  # as a prefill times one token on each model
     ks = []
     for n, mean in phases:

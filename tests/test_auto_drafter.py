@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specq.native.control.chooser import AdaptiveDrafters
-from specq.native.control.length import AdaptiveDraft
+from specq.native.control.chooser import DrafterChooser
+from specq.native.control.length import LengthController
 from specq.native.control.step import StepOutcome
 from specq.native.runtime.engine import Engine, SimulatedClock
 from specq.native.core.settings import GenerationSettings
@@ -17,7 +17,7 @@ def simulate(alphas: dict[str, float], draft_ms: dict[str, float], verify_ms, st
     """The controller against synthetic drafters: i.i.d. acceptance per drafter, fixed costs; how often each
     was chosen over the last half of the steps (None: plain decoding)."""
     rng = np.random.default_rng(seed)
-    c = AdaptiveDrafters(16, {n: 0.1 for n in alphas}, memoryless={"ngram"})
+    c = DrafterChooser(16, {n: 0.1 for n in alphas}, memoryless={"ngram"})
     chosen: dict = {}
     for i in range(steps):
         name, k = c.choose({n: 16 for n in alphas})
@@ -166,7 +166,7 @@ def test_a_drafter_that_lost_early_is_tried_again_when_the_text_changes():
     # chance, so each of five runs has 400 steps to take the n-grams back.
     for seed in range(5):
         rng = np.random.default_rng(seed)
-        c = AdaptiveDrafters(16, {"ngram": 0.01, "model": 0.3}, model="model", memoryless={"ngram"})
+        c = DrafterChooser(16, {"ngram": 0.01, "model": 0.3}, model="model", memoryless={"ngram"})
         late = {}
         for i in range(500):
             name, k = c.choose({"ngram": 8, "model": 16})
@@ -183,12 +183,12 @@ def test_a_drafter_that_lost_early_is_tried_again_when_the_text_changes():
         assert c.n_probes > 0
 
 
-def _controller_after_mixed_steps() -> AdaptiveDrafters:
+def _controller_after_mixed_steps() -> DrafterChooser:
     """A controller that measured a good, dear draft model (99%+ of 8 accepted; 11 ms to its first token, 10 ms
     per further one, 4 ms per token of a long catch-up) and n-grams right about 70% of the time, at no drafting
     cost; verify 20 ms + 2 ms per row. On its own costs an n-gram step of 3 (2.5 tokens in 28 ms) beats the model
     (8.6 tokens in 119 ms); charged the 4 ms per token the model will spend catching up, it loses."""
-    c = AdaptiveDrafters(16, {"model": 0.5, "ngram": 0.01}, model="model", memoryless={"ngram"})
+    c = DrafterChooser(16, {"model": 0.5, "ngram": 0.01}, model="model", memoryless={"ngram"})
     verify = lambda b: (20.0 + 2.0 * b) / 1e3  # noqa: E731
     ngram_accepted = [3, 1, 0, 2, 3, 1, 3, 2, 0, 3]
     backlog = 1
@@ -217,7 +217,7 @@ def test_an_ngram_step_is_charged_the_draft_models_catch_up():
 def test_without_the_catch_up_charge_the_ngram_step_would_win(monkeypatch):
     # the counterpart of the test above: the same evidence with the charge taken away picks the n-grams, so the
     # choice above is the charge's doing
-    monkeypatch.setattr(AdaptiveDraft, "catchup_s", lambda self: 0.0)
+    monkeypatch.setattr(LengthController, "catchup_s", lambda self: 0.0)
     c = _controller_after_mixed_steps()
     assert c.choose({"model": 16, "ngram": 3})[0] == "ngram"
 
@@ -241,7 +241,7 @@ def test_auto_spaces_its_probes_on_thin_evidence_when_they_cost():
     # As test_adaptive's test of the same name, with the drafter chosen by auto: a useless, dear draft model
     # (8 ms a token against 20 ms plain). Every-other-step probing would spend ~30 probes in 60 steps; spaced by
     # the drafter's measured probe cost, a few.
-    c = AdaptiveDrafters(8, {"model": 0.4}, model="model")
+    c = DrafterChooser(8, {"model": 0.4}, model="model")
     for _ in range(60):
         name, k = c.choose({"model": 8})
         c.observe(StepOutcome(k, 0, 0.008 if k > 1 else None, (20.0 if k == 0 else 26.0 + k) / 1e3, 0.0,
@@ -253,7 +253,7 @@ def test_auto_spaces_its_probes_on_thin_evidence_when_they_cost():
 def test_every_drafters_controller_prices_the_verify_on_one_shared_model():
     # The target's cost does not depend on the drafter: a verify measured on any step prices every drafter's
     # next choice, and every probe is paid from one exploration budget.
-    c = AdaptiveDrafters(16, {"model": 0.5, "ngram": 0.01}, model="model", memoryless={"ngram"})
+    c = DrafterChooser(16, {"model": 0.5, "ngram": 0.01}, model="model", memoryless={"ngram"})
     c.observe(StepOutcome(0, 0, None, 0.020, 0.0))  # a plain step
     assert c.per["model"].verify_s(1) == c.per["ngram"].verify_s(1) == 0.020
     c.observe(StepOutcome(8, 8, 0.010, 0.050, 0.0, 0.081, 0.011, drafter="model"))
@@ -265,7 +265,7 @@ def test_a_prefills_timed_draft_batches_stay_batches_under_auto():
     """A prefill times the draft model on a 5-token batch as well as on one token: under --drafter auto the model
     drafter keeps the batch as a batch (draft_rows, what a batch of sequences would pay), not as the price of one
     drafted token, which would be five times too dear."""
-    c = AdaptiveDrafters(16, {"model": 0.3, "ngram": 0.01}, model="model", memoryless={"ngram"})
+    c = DrafterChooser(16, {"model": 0.3, "ngram": 0.01}, model="model", memoryless={"ngram"})
     c.calibrate(600, 0.060, 0.025, 5)
     model = c.per["model"]
     model.at(600)

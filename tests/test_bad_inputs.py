@@ -103,7 +103,7 @@ ROWS: dict[str, Row] = {
     "chat-k-zero": Row((*CHAT, "--target", "{target}"), 1, "/k must be between 1 and", stdin="/k 0\n",
                        forbid="--draft-max"),
     "chat-save-write-error": Row((*CHAT, "--target", "{target}"), 1, "(/proc/specq-chat.json); check the path",
-                                 stdin="/save /proc/specq-chat.json\n", forbid=".tmp"),
+                                 stdin="/save /proc/specq-chat.json\n", forbid=".part"),
     "chat-temp-nan": Row((*CHAT, "--target", "{target}"), 1, "/temp needs a number (nan)", stdin="/temp nan\n"),
     "chat-save-to-folder": Row((*CHAT, "--target", "{target}"), 1, "not a folder", stdin="/save {tmp}\nhello\n"),
     "chat-system-too-long": Row((*CHAT, "--target", "{target}", "--ctx", "64", "--system", "{long_text}"), 1,

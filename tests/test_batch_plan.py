@@ -11,7 +11,7 @@ import pytest
 from beside import draft_memory
 from specq.native.control.batch_plan import LONE_PLAIN, BatchPlanner, Wish
 from specq.native.control.expected import expected_tokens
-from specq.native.control.length import AdaptiveDraft
+from specq.native.control.length import LengthController
 from specq.native.control.step import StepOutcome
 from specq.native.runtime.batch import Batch
 from specq.native.runtime.engine import Engine, SimulatedClock
@@ -179,7 +179,7 @@ def test_where_rows_are_cheap_the_batch_keeps_drafting(tiny_target, tiny_close):
 
 
 def test_a_shared_step_teaches_a_sequence_its_acceptance_not_the_batchs_costs():
-    ctrl = AdaptiveDraft(8)
+    ctrl = LengthController(8)
     ctrl.at(100)
     ctrl.observe(StepOutcome(1, 1, None, 0.020, 0.0))  # alone: a 2-token verify, 20 ms
     tried = ctrl.acceptance.tried

@@ -63,8 +63,8 @@ class FakeEngine:
     draft_window = None
     window_auto = False
 
-    def __init__(self, target, draft, **kw):
-        self.draft = draft
+    def __init__(self, config, clock=None):
+        self.draft = config.draft
 
     def tokenize(self, text):
         return [1, 2, 3]

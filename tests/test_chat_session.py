@@ -12,7 +12,7 @@ from specq.native.commands.chat import (AnswerProgress, ChatSession, Command, Ra
 from specq.native.runtime.engine import Engine
 from specq.native.core.settings import GenerationSettings
 from specq.native.core.stats import TokenEvent
-from specq.native.serving.template import load_template
+from specq.native.core.template import load_template
 
 SETTINGS = GenerationSettings(n_predict=12, draft_max=4)
 

@@ -99,7 +99,7 @@ def test_ctrl_c_while_the_demo_target_is_made(tmp_path):
     proc = subprocess.Popen([SPECQ, "bench", "--n-predict", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=dict(os.environ, SPECQ_CACHE_DIR=str(tmp_path)))
     try:
-        assert _wait_for(lambda: any(tmp_path.glob(".*.tmp")), proc), proc.communicate()[1]
+        assert _wait_for(lambda: any(tmp_path.glob(".*.part")), proc), proc.communicate()[1]
         time.sleep(0.3)  # llama.cpp is writing the F32 file now
         latency, err = _interrupt(proc)
     finally:

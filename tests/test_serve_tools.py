@@ -14,7 +14,7 @@ import pytest
 from specq.native.serving.answer import AnswerPlan, AnswerStream, call_grammar, merge, render_chat
 from specq.native.serving.api import ApiError, Limits, parse_request
 from specq.native.serving.reasoning import ThinkFormat, opens_thinking, split_reasoning, think_format
-from specq.native.serving.template import TemplateFormatter
+from specq.native.core.template import TemplateFormatter
 from specq.native.serving.toolgrammar import forced_call_grammar, marker_tokens, tool_call_grammar, with_thinking
 from specq.native.serving.tools import template_family
 

@@ -10,7 +10,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from ... import __version__
+from ...version import __version__
+from ...atomic import write_text
 from ...errors import UsageError, check_text
 from ..llama import ffi as _ffi
 from ..control.report import pool
@@ -104,7 +105,7 @@ def prompt_tokens(eng: Engine, cfg: BenchConfig) -> list[list[int]]:
     target's chat template to each as a single user turn."""
     if not cfg.chat:
         return [eng.tokenize(p) for p in cfg.prompts]
-    from ..serving.template import load_template
+    from ..core.template import load_template
     from .chat import ChatSession
 
     template = load_template(None, eng.target.chat_template(), cfg.engine.target)
@@ -361,19 +362,11 @@ CSV_COLUMNS = ("mode", "prompt_index", "prompt_name", "repeat", "draft_max", "p_
 def write_csv(doc: dict, path) -> None:
     """One row per run (baseline rows leave the speculative columns empty); written atomically."""
     import csv
-    import os
-    from pathlib import Path
+    import io
 
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise UsageError(f"folder not found ({path.parent}); create it first or pick another --csv path")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("w", newline="", encoding="utf-8") as f:
-            w = csv.writer(f)
-            w.writerow(CSV_COLUMNS)
-            for r in doc["runs"]:
-                w.writerow(["" if r.get(c) is None else r.get(c) for c in CSV_COLUMNS])
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    out = io.StringIO(newline="")
+    w = csv.writer(out)
+    w.writerow(CSV_COLUMNS)
+    for r in doc["runs"]:
+        w.writerow(["" if r.get(c) is None else r.get(c) for c in CSV_COLUMNS])
+    write_text(Path(path), out.getvalue(), "--csv path")

@@ -7,6 +7,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from ...atomic import atomic_output
 from ...errors import SpecqError
 
 
@@ -56,11 +57,9 @@ def plot_sweep(doc: dict, path: str | os.PathLike) -> Path:
     fig.suptitle(f"specq bench: {Path(doc['target']['path']).name}"
                  + (f" + {Path(doc['draft']['path']).name}" if doc.get("draft") else ""), fontsize="medium")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
     try:
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
+        with atomic_output(path) as tmp:
+            fig.savefig(tmp, dpi=100, format="png")
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
     return path

@@ -15,14 +15,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ... import __version__
+from ...version import __version__
+from ...atomic import write_text
 from ...errors import ContextFullError, UsageError, check_text
 from ..runtime.config import EngineConfig
 from ..runtime.engine import Engine
 from ..core.settings import GenerationSettings
 from ..core.stats import GenerationStats, Rates, TokenEvent
 from ..drafters.registry import speculates
-from ..serving.template import TemplateFormatter, load_template
+from ..core.template import TemplateFormatter, load_template, model_token_text
 
 log = logging.getLogger("specq.chat")
 
@@ -212,9 +213,8 @@ class ChatSession:
                  system: str | None = None):
         self.engine = engine
         tgt = engine.target
-        self._bos_text = tgt.token_text(tgt.bos).decode("utf-8", "replace") if tgt.bos >= 0 else ""
-        eos_text = tgt.token_text(tgt.eos).decode("utf-8", "replace") if tgt.eos >= 0 else ""
-        self.formatter = TemplateFormatter(template, self._bos_text, eos_text)
+        self._bos_text = model_token_text(tgt, tgt.bos)
+        self.formatter = TemplateFormatter.for_model(template, tgt)
         self.settings = settings.validate()
         self.speculative = speculates(engine, self.settings.drafters)
         self.system = check_text(system, "--system") if system else None
@@ -320,15 +320,7 @@ class ChatSession:
 
 def write_json_atomic(path: Path, doc: dict) -> Path:
     """Write to a temporary file beside `path`, then rename: never a half-written file."""
-    if not path.parent.is_dir():
-        raise UsageError(f"folder not found ({path.parent}); create it first or pick another path")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return write_text(path, json.dumps(doc, indent=2) + "\n")
 
 
 def open_chat(engine: EngineConfig, *, template: str | None, settings: GenerationSettings, system: str | None,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from pathlib import Path
 
+from ...atomic import atomic_output
 from ...errors import ModelFileError
 from ...machine import cache_dir
 from ..llama import ffi as _ffi
@@ -36,11 +36,7 @@ def demo_pair() -> tuple[Path, Path]:
     target = cache_dir() / DEMO_TARGET_FILE
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         log.info("creating the demo target %s (once)", target)
-        try:
+        with atomic_output(target) as tmp:
             quantize_in_child(draft, tmp, _ffi.FTYPE_ALL_F32)  # in a child: Ctrl-C ends it at once
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
     return target, draft

@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from ... import __version__
+from ...version import __version__
 from ...errors import SpecqError
 
 log = logging.getLogger("specq.doctor")

@@ -1,4 +1,4 @@
-"""Conditional acceptance by draft position, as one controller (length.AdaptiveDraft) estimates it."""
+"""Conditional acceptance by draft position, as one controller (length.LengthController) estimates it."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class Acceptance:
         self.alpha_prior = alpha_prior
         self.succ = [0.0] * cap
         self.trials = [0.0] * cap
-        self.tried = 0.0  # drafting steps (decayed as the counts are): what AdaptiveDraft.thin_evidence reads
+        self.tried = 0.0  # drafting steps (decayed as the counts are): what LengthController.thin_evidence reads
         self.long = (0.0, 0.0)  # (successes, trials) of every position, decayed by LONG_DECAY a drafting step
         self.n_seeds = 0
         self.n_aged = 0  # plain steps that aged the counts (age)

@@ -3,7 +3,7 @@ the batch, each sequence's own acceptance.
 
 A batched step runs a draft decode per draft position over the sequences still drafting and ONE target decode of
 every sequence's rows, so its time is D + V(R): R = Σ (kᵢ + 1) rows in all, and V grows with R. Each sequence's
-controller (length.AdaptiveDraft, chooser.AdaptiveDrafters) still says how far it would draft on its own (its
+controller (length.LengthController, chooser.DrafterChooser) still says how far it would draft on its own (its
 acceptance by position and its own costs, measured when it ran alone); the planner then caps every adaptive
 sequence's draft at one length c, the c (0: no drafting at all) with the most expected tokens per second for the
 whole batch:

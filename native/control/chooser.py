@@ -6,15 +6,15 @@ from dataclasses import replace
 from typing import Collection
 
 from .explore import ProbeSchedule, doubled
-from .length import AdaptiveDraft, AdaptiveSnapshot
+from .length import LengthController, AdaptiveSnapshot
 from .step import Choice, StepOutcome
 
-RUN_EMA = 0.3  # the weight of a drafter's latest run of steps in its runs' mean length (AdaptiveDrafters._owed)
+RUN_EMA = 0.3  # the weight of a drafter's latest run of steps in its runs' mean length (DrafterChooser._owed)
 
 
-class AdaptiveDrafters:
+class DrafterChooser:
     """--drafter auto: each step, the drafter (or plain decoding) and the length with the most expected tokens
-    per second. One AdaptiveDraft per drafter holds its acceptance by position and its drafting costs; a shared
+    per second. One LengthController per drafter holds its acceptance by position and its drafting costs; a shared
     one (`shared`) holds what every step measures alike: the verify cost by batch size (its TargetCosts, which
     every drafter's controller holds by reference), the per-step overhead and the exploration budget. While
     plain decoding wins, a short probe of the drafter tried least recently runs every `probe_interval` steps
@@ -30,10 +30,10 @@ class AdaptiveDrafters:
         self.cap = cap
         self.model = model
         self.memoryless = frozenset(memoryless)
-        self.shared = AdaptiveDraft(cap, **kw)
+        self.shared = LengthController(cap, **kw)
         # one verify model (the target's cost does not depend on the drafter) and one account for all probes
-        self.per: dict[str, AdaptiveDraft] = {
-            name: AdaptiveDraft(cap, cost_ratio_prior=ratio, probe_min=probe_min, probe_max=probe_max,
+        self.per: dict[str, LengthController] = {
+            name: LengthController(cap, cost_ratio_prior=ratio, probe_min=probe_min, probe_max=probe_max,
                                 probe_k=probe_k, target=self.shared.target, budget=self.shared.budget, **kw)
             for name, ratio in cost_ratio_priors.items()}
         self.probe_min, self.probe_max, self.probe_k = probe_min, probe_max, probe_k
@@ -52,7 +52,7 @@ class AdaptiveDrafters:
         self.n_charged = 0  # steps chosen with a drafter's catch-up charged to the others (see choose)
 
     def at(self, n_ctx: int, remaining: int | None = None) -> None:
-        """The next steps run at a context of n_ctx tokens (AdaptiveDraft.at, for every drafter)."""
+        """The next steps run at a context of n_ctx tokens (LengthController.at, for every drafter)."""
         for c in (self.shared, *self.per.values()):
             c.at(n_ctx, remaining)
 
@@ -66,7 +66,7 @@ class AdaptiveDrafters:
             self.per[self.model].calibrate(n_ctx, target_s, draft_token_s, n_tokens)
 
     def new_answer(self) -> None:
-        """A generation starts (AdaptiveDraft.new_answer), for every drafter; a drafter with a memory reads the
+        """A generation starts (LengthController.new_answer), for every drafter; a drafter with a memory reads the
         prompt in its prefill, so none is behind. What a memoryless drafter (n-gram lookup) accepted at position 1
         was the last prompt's to copy from: weakened, or one answer's misses keep it out of the next one, where
         the model's runs (long in free text) hold it off (issue 50: auto 0.87× n-grams alone on copy-edits)."""
@@ -77,11 +77,11 @@ class AdaptiveDrafters:
             self._end_run(name)
 
     def wants_agreement(self) -> bool:
-        """Whether the draft model's prompt agreement would inform the next choice (AdaptiveDraft's)."""
+        """Whether the draft model's prompt agreement would inform the next choice (LengthController's)."""
         return self.model in self.per and self.per[self.model].wants_agreement()
 
     def seed_acceptance(self, n_agree: int, n: int) -> None:
-        """The draft model's prompt agreement (AdaptiveDraft.seed_acceptance)."""
+        """The draft model's prompt agreement (LengthController.seed_acceptance)."""
         self.per[self.model].seed_acceptance(n_agree, n)
 
     @property
@@ -179,7 +179,7 @@ class AdaptiveDrafters:
         """Plain decoding wins this step: a probe of a drafter whose turn it is, else plain decoding.
 
         A drafter tried too few times yet is probed every other step while the probes pay for themselves, and
-        spaced by their measured cost when they do not (AdaptiveDraft.min_evidence, thin_gap); the others every
+        spaced by their measured cost when they do not (LengthController.min_evidence, thin_gap); the others every
         probe_interval steps (or the drafter's own, longer when its probes cost more than probe_budget)."""
         self.schedule.plain_step()
         streak = self.schedule.plain_streak

@@ -1,5 +1,5 @@
 """Exploration: when a controller that found plain decoding (or another drafter) better tries a draft again, and
-what those tries may cost. Both controllers (length.AdaptiveDraft, chooser.AdaptiveDrafters) use these."""
+what those tries may cost. Both controllers (length.LengthController, chooser.DrafterChooser) use these."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class ExploreBudget:
 class ProbeSchedule:
     """When a probe is due while plain decoding wins: after more than `interval` plain steps, an interval that
     starts at probe_min, doubles (up to probe_max) while probes keep failing and starts over once drafting wins;
-    while evidence is thin (AdaptiveDraft.min_evidence), after `thin_gap` plain steps instead: every other step
+    while evidence is thin (LengthController.min_evidence), after `thin_gap` plain steps instead: every other step
     as long as probes pay for themselves, spaced within thin_budget of plain decoding when they cost. A probe that
     gained (it emitted more than its time in plain steps) makes the next one due as soon, whatever the evidence: the
     draft may have turned good (the text changed), and the probes that show it cost nothing. A probe's measured

@@ -10,12 +10,12 @@ from .expected import best_draft_length, expected_tokens
 from .explore import DEFAULT_HORIZON, ExploreBudget, ProbeSchedule
 from .step import StepOutcome
 
-THIN_STEP_COST = 3.0  # while evidence is thin, a step may cost at most this many plain steps (AdaptiveDraft.reach)
-REACH_STEP = 2  # past the deepest position tried, a dear draft grows this many positions a step (AdaptiveDraft.reach)
+THIN_STEP_COST = 3.0  # while evidence is thin, a step may cost at most this many plain steps (LengthController.reach)
+REACH_STEP = 2  # past the deepest position tried, a dear draft grows this many positions a step (LengthController.reach)
 # A step drafts the shortest length whose rate is within this fraction of the best, one shorter at most: where the
 # rate is flat, longer drafts rest on the least sure estimates (any shorter: the deep pair drafted 2 where 4 won).
 NEAR_BEST = 0.03
-# A new answer is new text: earlier answers' acceptance counts are kept at this weight (AdaptiveDraft.new_answer).
+# A new answer is new text: earlier answers' acceptance counts are kept at this weight (LengthController.new_answer).
 NEW_ANSWER_KEEP = 0.25
 
 
@@ -35,7 +35,47 @@ class AdaptiveSnapshot:
     n_probes: int
 
 
-class AdaptiveDraft:
+class Probing:
+    """LengthController's exploration (explore.py): whether a probe may run now and what it costs, so that
+    drafting can come back while plain decoding wins. Reads the controller's costs, acceptance, budget and
+    schedule."""
+
+    def could_pay(self, limit: int) -> bool:
+        """Whether drafting could beat plain decoding even at perfect acceptance, with the measured costs."""
+        return best_draft_length([1.0] * limit, self.draft_s(), self.verify_s, self.overhead, self.first_s())[0] > 0
+
+    def may_probe(self, behind: int, pace_s: float | None = None) -> bool:
+        """Whether the exploration budget has room for a probe now, `behind` tokens since this drafter last ran;
+        `pace_s`: what a token costs on the way of decoding the probe displaces (None: plain decoding), which
+        also prices the tokens still to come."""
+        pace = self.verify_s(1) + self.overhead if pace_s is None else pace_s
+        return self.budget.allows(self.probe_extra_s(behind, pace), pace, self.remaining)
+
+    def probe_extra_s(self, behind: int, pace_s: float | None = None) -> float:
+        """What a probe is expected to cost beyond the way of decoding it displaces (plain decoding, or a token
+        every `pace_s`): catching up on the `behind` tokens decoded without this drafter, its probe_k tokens and
+        their verify, less what its expected tokens would have taken. At long context a one-token probe loses
+        even when accepted (a 2-token verify can cost 1.5 single ones)."""
+        pace = self.verify_s(1) + self.overhead if pace_s is None else pace_s
+        k = self.probe_k
+        tokens = expected_tokens(self.alphas(), k)
+        return (self.first_s() + (k - 1) * self.draft_s() + max(behind - 1, 0) * self.catchup_s()
+                + self.verify_s(k + 1) + self.overhead - tokens * pace)
+
+    def probe_gap(self, at_least: int = 0) -> int:
+        """Plain steps before this drafter's next probe (explore.ProbeSchedule.gap)."""
+        return self.schedule.gap(self.thin_evidence(), at_least)
+
+    def mark_probe(self) -> None:
+        """The next step observed is a probe: its measured cost spaces the next ones."""
+        self.schedule.probing = True
+
+    def chosen(self) -> None:
+        """This drafter drafts on its merits (the drafter chooser's pick): its probe spacing starts over."""
+        self.schedule.drafting()
+
+
+class LengthController(Probing):
     """Chooses each step's draft length k (0: plain decoding) from online estimates of the running generation.
 
     Glossary:
@@ -254,41 +294,6 @@ class AdaptiveDraft:
         if k < limit:
             self.n_reach_limited += 1
         return k
-
-    # -- exploration (explore.py) -----------------------------------------------------------------
-    def could_pay(self, limit: int) -> bool:
-        """Whether drafting could beat plain decoding even at perfect acceptance, with the measured costs."""
-        return best_draft_length([1.0] * limit, self.draft_s(), self.verify_s, self.overhead, self.first_s())[0] > 0
-
-    def may_probe(self, behind: int, pace_s: float | None = None) -> bool:
-        """Whether the exploration budget has room for a probe now, `behind` tokens since this drafter last ran;
-        `pace_s`: what a token costs on the way of decoding the probe displaces (None: plain decoding), which
-        also prices the tokens still to come."""
-        pace = self.verify_s(1) + self.overhead if pace_s is None else pace_s
-        return self.budget.allows(self.probe_extra_s(behind, pace), pace, self.remaining)
-
-    def probe_extra_s(self, behind: int, pace_s: float | None = None) -> float:
-        """What a probe is expected to cost beyond the way of decoding it displaces (plain decoding, or a token
-        every `pace_s`): catching up on the `behind` tokens decoded without this drafter, its probe_k tokens and
-        their verify, less what its expected tokens would have taken. At long context a one-token probe loses
-        even when accepted (a 2-token verify can cost 1.5 single ones)."""
-        pace = self.verify_s(1) + self.overhead if pace_s is None else pace_s
-        k = self.probe_k
-        tokens = expected_tokens(self.alphas(), k)
-        return (self.first_s() + (k - 1) * self.draft_s() + max(behind - 1, 0) * self.catchup_s()
-                + self.verify_s(k + 1) + self.overhead - tokens * pace)
-
-    def probe_gap(self, at_least: int = 0) -> int:
-        """Plain steps before this drafter's next probe (explore.ProbeSchedule.gap)."""
-        return self.schedule.gap(self.thin_evidence(), at_least)
-
-    def mark_probe(self) -> None:
-        """The next step observed is a probe: its measured cost spaces the next ones."""
-        self.schedule.probing = True
-
-    def chosen(self) -> None:
-        """This drafter drafts on its merits (the drafter chooser's pick): its probe spacing starts over."""
-        self.schedule.drafting()
 
     # -- measurements ---------------------------------------------------------------------------
     def observe(self, step: StepOutcome) -> None:

@@ -8,9 +8,10 @@ from typing import NamedTuple
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """One step's measurements (seconds). `draft_token_s`: per drafted token after the first, `first_token_s`: to
-    the first (None: not measured cleanly); `draft_s`: the whole drafting time, the draft's catch-up after plain
-    steps included; `overhead_s`: the step's time outside drafting and verifying; `catchup`: (n tokens, seconds)
+    """What a controller learns from one step (runtime/step.py's StepResult is what the step did: its tokens,
+    drafter and times; Generation._observe makes this from it, with the step's overhead). In seconds:
+    `draft_token_s`: per drafted token after the first, `first_token_s`: to the first (None: not measured
+    cleanly); `draft_s`: the whole drafting time, the draft's catch-up after plain steps included; `overhead_s`: the step's time outside drafting and verifying; `catchup`: (n tokens, seconds)
     of a long catch-up and the first drafted token together; `drafter`: whose draft it was (None: plain decoding;
     only the drafter chooser reads it); `acceptance`: under rejection sampling, per drafted position (the
     probability of reaching it given the drafts before, its expected acceptance Σ min(p, q)): the same law as

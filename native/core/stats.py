@@ -98,7 +98,7 @@ class GenerationStats(Rates):
 
 
 @dataclass
-class Progress:
+class RunningCounts:
     """A generation's running counters: what `Generation.snapshot()` and the final stats are built from."""
 
     prompt_s: float = 0.0
@@ -108,12 +108,12 @@ class Progress:
     draft_s: float = 0.0
     verify_s: float = 0.0
     t_gen0: float | None = None
-    decode0: float = 0.0
-    restores0: int = 0
-    rollbacks0: int = 0
-    counts0: dict = field(default_factory=dict)  # the drafters' counters when it began (Drafter.counts)
-    plain0: int = 0  # the controller's counters when this generation began (it outlives generations)
-    probes0: int = 0
+    decode_s_at_start: float = 0.0
+    restores_at_start: int = 0
+    rollbacks_at_start: int = 0
+    drafter_counts_at_start: dict = field(default_factory=dict)  # the drafters' counters when it began (Drafter.counts)
+    plain_steps_at_start: int = 0  # the controller's counters when this generation began (it outlives generations)
+    probes_at_start: int = 0
     drafted_by: dict = field(default_factory=dict)
     accepted_by: dict = field(default_factory=dict)
     steps_by_k: dict = field(default_factory=dict)
@@ -121,8 +121,8 @@ class Progress:
     verify_by_size: dict = field(default_factory=dict)
     draft_next_s: float = 0.0
     n_draft_next: int = 0
-    c_drafted: int = 0  # drafted and accepted in steps under a constraint
-    c_accepted: int = 0
+    drafted_constrained: int = 0  # drafted and accepted in steps under a constraint
+    accepted_constrained: int = 0
 
     def count_step(self, step: "StepResult", n_kept: int, sign: int = 1) -> None:
         """Add one step's draft counts and cost-model inputs (sign -1 takes them back). Every draft token the
@@ -140,8 +140,8 @@ class Progress:
             self.drafted_by[step.drafter] = self.drafted_by.get(step.drafter, 0) + sign * k
             self.accepted_by[step.drafter] = self.accepted_by.get(step.drafter, 0) + sign * a
             if step.constrained:
-                self.c_drafted += sign * k
-                self.c_accepted += sign * a
+                self.drafted_constrained += sign * k
+                self.accepted_constrained += sign * a
         self.steps_by_k[step.n_drafted] = self.steps_by_k.get(step.n_drafted, 0) + sign
         reach = min(k, a + 1)
         self.tried.extend([0] * (reach - len(self.tried)))

@@ -47,7 +47,7 @@ from ..core.accept import top_probability
 from ..core.sampling import Sampling, SparseDist, restrict, sample
 
 if TYPE_CHECKING:
-    from ..control.length import AdaptiveDraft
+    from ..control.length import LengthController
     from ..core.prompt import AgreeRows, Span
     from ..runtime.engine import Engine
     from ..runtime.session import Session
@@ -177,7 +177,7 @@ class Drafter:
         (greedy), then call prompt_compared."""
         return False
 
-    def prompt_compared(self, ctrl: AdaptiveDraft, overhead: Callable[[], float]) -> Agreement | None:
+    def prompt_compared(self, ctrl: LengthController, overhead: Callable[[], float]) -> Agreement | None:
         """After a prefill it wanted compared (wants_prompt_rows): act on it (`ctrl`: its length controller at
         this context; `overhead()`: the step overhead it is priced with). The agreement that holds now, where it
         changed."""
@@ -253,7 +253,7 @@ def pick_loop(row: Callable[[], np.ndarray], advance: Callable[[int, int], None]
     return drafts, dists
 
 
-def timed(drafts: list[int], dists: list[SparseDist], behind: int, t_start: float, t_first: float | None,
+def proposal_with_costs(drafts: list[int], dists: list[SparseDist], behind: int, t_start: float, t_first: float | None,
           t_loop: float, t_end: float) -> Proposal:
     """A model-like drafter's proposal with its costs: it began at t_start `behind` tokens behind the history, the
     decode that yielded the first token began at t_first (None: that decode was also a long catch-up's), the pick

@@ -12,11 +12,12 @@ from ..core.memory import Memory, common_prefix, extend_many
 from ..core.sampling import Sampling
 from ..core.settings import AGREE_TOKENS, DRAFT_SINK
 from ..llama import ffi as _ffi
-from .base import CATCHUP_SHORT, Agreement, Drafter, PromptRead, Proposal, Timing, pick, pick_loop, timed
+from .base import (CATCHUP_SHORT, Agreement, Drafter, PromptRead, Proposal, Timing, pick, pick_loop,
+                   proposal_with_costs)
 from .window import DraftWindow, agreeing
 
 if TYPE_CHECKING:
-    from ..control.length import AdaptiveDraft
+    from ..control.length import LengthController
     from ..core.prompt import AgreeRows, Span
     from ..runtime.engine import Engine
     from ..runtime.session import Session
@@ -101,7 +102,7 @@ class ModelDrafter(Drafter):
         t_loop = clock()
         drafts, dists = pick_loop(lambda: dft.ctx.logits(1)[0], lambda tok, i: dft.extend([tok], logits="last"),
                                   n_max, s.p_min, samp, self.session.engine.target.n_vocab, clock)
-        return timed(drafts, dists, catchup, t_start, t_start if catchup <= CATCHUP_SHORT else None, t_loop, clock())
+        return proposal_with_costs(drafts, dists, catchup, t_start, t_start if catchup <= CATCHUP_SHORT else None, t_loop, clock())
 
     @classmethod
     def propose_batch(cls, asks: list[tuple[ModelDrafter, int, GenerationSettings, Sampling]]) -> list[Proposal]:
@@ -143,7 +144,7 @@ class ModelDrafter(Drafter):
             extend_many([(asks[i][0].memory, drafts[i][-1:], "last") for i in more])
             active = more
         t_end = clock()
-        return [timed(drafts[i], dists[i], catchup[i], t_start, t_start if catchup[i] <= CATCHUP_SHORT else None,
+        return [proposal_with_costs(drafts[i], dists[i], catchup[i], t_start, t_start if catchup[i] <= CATCHUP_SHORT else None,
                       t_loop, t_end) for i in range(len(asks))]
 
     def fit(self, n_tokens: int) -> None:
@@ -184,7 +185,7 @@ class ModelDrafter(Drafter):
     def wants_prompt_rows(self, n_new: int) -> bool:
         return self.trial.due(n_new)
 
-    def prompt_compared(self, ctrl: AdaptiveDraft, overhead) -> Agreement | None:
+    def prompt_compared(self, ctrl: LengthController, overhead) -> Agreement | None:
         return self.trial.try_window(ctrl, overhead)
 
     def stepped(self) -> None:

@@ -18,7 +18,7 @@ from ...errors import ModelFileError, UsageError
 from ..core.memory import common_prefix
 from ..core.sampling import Sampling
 from ..llama import ffi as _ffi
-from .base import CATCHUP_SHORT, Drafter, Proposal, pick_loop, timed
+from .base import CATCHUP_SHORT, Drafter, Proposal, pick_loop, proposal_with_costs
 
 if TYPE_CHECKING:
     from ..runtime.engine import Engine
@@ -86,9 +86,9 @@ class MtpDrafter(Drafter):
     def provide(cls, engine: Engine) -> _ffi.MtpContext | None:
         """The head's context (engine.mtp_ctx), where the engine loaded the target's head (Engine(mtp=...)): as
         long as the target's, a sequence per --parallel."""
-        if engine.mtp_asked is False or engine.target.n_layer_nextn < 1:
+        if engine.config.mtp is False or engine.target.n_layer_nextn < 1:
             return None
-        return _ffi.MtpContext(engine.target, engine.ctx_asked, engine.threads, n_batch=engine.n_batch_asked,
+        return _ffi.MtpContext(engine.target, engine.config.ctx, engine.threads, n_batch=engine.config.n_batch,
                                n_seq=engine.parallel)
 
     @classmethod
@@ -141,7 +141,7 @@ class MtpDrafter(Drafter):
                                       ses.engine.target.n_vocab, clock)
         finally:
             self.end()
-        return timed(drafts, dists, catchup, t_catchup, t_first, t_loop, clock())
+        return proposal_with_costs(drafts, dists, catchup, t_catchup, t_first, t_loop, clock())
 
     def rewind(self) -> None:
         self.truncate(common_prefix(self.tokens, self.history))

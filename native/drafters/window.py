@@ -14,7 +14,7 @@ from typing import Callable, TYPE_CHECKING
 
 import numpy as np
 
-from ..control.length import AdaptiveDraft
+from ..control.length import LengthController
 from ..control.window import paired_acceptance, window_pays, window_pays_at
 from ..core.memory import Memory
 from ..core.settings import (AGREE_TOKENS, DRAFT_SINK, WINDOW_PROBATION, WINDOW_TIMINGS, WINDOW_TRIAL,
@@ -38,7 +38,7 @@ class _Probation:
     offset: int  # the window's offset when taken (a window that slid since cannot replay the answer's rows)
     t_whole: float  # a drafted token's cost, each memory, as the trial timed it
     t_window: float
-    ctrl: AdaptiveDraft  # the draft model's controller, told when the window is given up
+    ctrl: LengthController  # the draft model's controller, told when the window is given up
     overhead: Callable[[], float]  # the step overhead the verdict is priced with
     whole_ok: np.ndarray  # the prompt's rows where each memory's greedy choice was the target's
     window_ok: np.ndarray
@@ -70,7 +70,7 @@ class DraftWindow:
         n = len(d.session.history) + n_new
         return d.session.engine.window_auto and d.window is None and n >= max(WINDOW_TRIAL_MIN, 2 * self._trial_at)
 
-    def try_window(self, ctrl: AdaptiveDraft, overhead: Callable[[], float]) -> Agreement | None:
+    def try_window(self, ctrl: LengthController, overhead: Callable[[], float]) -> Agreement | None:
         """After a prefill that compared the draft with the target (its agreement): decode the same prompt rows on
         a context of the draft's own that holds only the history's first DRAFT_SINK tokens and the
         WINDOW_TRIAL // 2 before the rows (what a window holds just after it slides), and time the next token

@@ -1,5 +1,5 @@
 """llama-cpp-python's sandboxed Jinja2 chat formatter, reached from here so that only native/llama/ imports
-llama_cpp (native/serving/template.py wraps it)."""
+llama_cpp (native/core/template.py wraps it)."""
 
 from __future__ import annotations
 

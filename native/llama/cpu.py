@@ -29,7 +29,7 @@ REPACK_TYPES_AVX2 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q
 REPACK_ROWS_MULTIPLE = 8
 # The AMX buffer's F16 matmul runs AVX-512 kernels, no AMX tile instruction (ggml-cpu/amx/mmq.cpp: "f16 only has
 # avx512 kernels"): the crash is the quantized tile path's, so amx-off keeps F16 weights there, as llama.cpp
-# would put them (1.13-1.25x a 4-sequence step of an F16 target on a Xeon, docs/benchmarks.md). Its supports_op:
+# would put them (faster for a 4-sequence step of an F16 target on a Xeon: docs/benchmarks.md). Its supports_op:
 # the row length a multiple of 16, the rows a multiple of 32 (TILE_N * 2).
 AMX_F16_COLS_MULTIPLE, AMX_ROWS_MULTIPLE = 16, 32
 # Weights used only as matrix multiplications (the op the repack buffer serves), by gguf's own names.

@@ -369,7 +369,57 @@ FLASH_ATTN = {"auto": C.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": C.LLAMA_FLASH_ATTN_TYP
               "off": C.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 
 
-class Context(_Handle):
+class CacheMemory:
+    """A Context's memory (KV cache / recurrent state) by sequence: remove and copy positions, the positions
+    held, clear, and save or restore a sequence's state."""
+
+    def seq_rm(self, p0: int, p1: int = -1, seq: int = 0) -> bool:
+        """Remove positions [p0, p1) of the sequence; False where the memory cannot remove part of it."""
+        return bool(H.llama_memory_seq_rm(self._mem, seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make sequence dst also hold src's positions [p0, p1) (one unified cache: no data is copied)."""
+        C.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def pos_max(self, seq: int = 0) -> int:
+        return int(H.llama_memory_seq_pos_max(self._mem, seq))
+
+    def pos_min(self, seq: int = 0) -> int:
+        """The oldest position the memory still holds (-1 when empty); > 0 once a sliding window has slid."""
+        return int(H.llama_memory_seq_pos_min(self._mem, seq))
+
+    def window_intact(self, n: int, seq: int = 0) -> bool:
+        """Whether the memory still holds every position a token at position n attends to, so that keeping
+        positions < n and decoding from n is exact. A sliding-window cache reuses the cells of positions that
+        left the window; llama.cpp's seq_rm reports success even when the cells n needs are gone (llama-server
+        makes the same check, pos_min against pos - n_swa, before reusing a cached prompt)."""
+        return self.n_swa == 0 or self.pos_min(seq) <= max(0, n - self.n_swa)
+
+    def clear(self, seq: int | None = None) -> None:
+        """Empty the memory (None: every sequence), or one sequence's part of it."""
+        if seq is None or self.n_seq == 1:
+            C.llama_memory_clear(self._mem, True)
+        else:
+            C.llama_memory_seq_rm(self._mem, seq, -1, -1)
+
+    def state_get(self, partial: bool = True, seq: int = 0) -> bytes:
+        flags = C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
+        size = C.llama_state_seq_get_size_ext(self.handle, seq, flags)
+        buf = (ctypes.c_uint8 * size)()
+        n = C.llama_state_seq_get_data_ext(self.handle, buf, size, seq, flags)
+        if n != size:
+            raise LlamaCallError("llama_state_seq_get_data_ext", int(n), f"{self.name}: expected {size} bytes")
+        return bytes(buf)
+
+    def state_set(self, data: bytes, partial: bool = True, seq: int = 0) -> None:
+        flags = C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        n = C.llama_state_seq_set_data_ext(self.handle, buf, len(data), seq, flags)
+        if n == 0:
+            raise LlamaCallError("llama_state_seq_set_data_ext", 0, f"{self.name}: {len(data)} bytes not restored")
+
+
+class Context(CacheMemory, _Handle):
     """A llama.cpp context (the KV cache / recurrent state of its sequences) over a Model. Methods that touch one
     sequence take `seq` (default 0); `seq(i)` is a view of sequence i that speaks like a one-sequence Context."""
 
@@ -623,52 +673,6 @@ class Context(_Handle):
         if not ptr:
             raise SpecqError(f"{self.name}: llama.cpp gave no hidden states for the MTP head")
         return np.ctypeslib.as_array(ptr, shape=(m, self._n_embd))
-
-    # -- memory -------------------------------------------------------------------------------
-    def seq_rm(self, p0: int, p1: int = -1, seq: int = 0) -> bool:
-        """Remove positions [p0, p1) of the sequence; False where the memory cannot remove part of it."""
-        return bool(H.llama_memory_seq_rm(self._mem, seq, p0, p1))
-
-    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        """Make sequence dst also hold src's positions [p0, p1) (one unified cache: no data is copied)."""
-        C.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
-
-    def pos_max(self, seq: int = 0) -> int:
-        return int(H.llama_memory_seq_pos_max(self._mem, seq))
-
-    def pos_min(self, seq: int = 0) -> int:
-        """The oldest position the memory still holds (-1 when empty); > 0 once a sliding window has slid."""
-        return int(H.llama_memory_seq_pos_min(self._mem, seq))
-
-    def window_intact(self, n: int, seq: int = 0) -> bool:
-        """Whether the memory still holds every position a token at position n attends to, so that keeping
-        positions < n and decoding from n is exact. A sliding-window cache reuses the cells of positions that
-        left the window; llama.cpp's seq_rm reports success even when the cells n needs are gone (llama-server
-        makes the same check, pos_min against pos - n_swa, before reusing a cached prompt)."""
-        return self.n_swa == 0 or self.pos_min(seq) <= max(0, n - self.n_swa)
-
-    def clear(self, seq: int | None = None) -> None:
-        """Empty the memory (None: every sequence), or one sequence's part of it."""
-        if seq is None or self.n_seq == 1:
-            C.llama_memory_clear(self._mem, True)
-        else:
-            C.llama_memory_seq_rm(self._mem, seq, -1, -1)
-
-    def state_get(self, partial: bool = True, seq: int = 0) -> bytes:
-        flags = C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
-        size = C.llama_state_seq_get_size_ext(self.handle, seq, flags)
-        buf = (ctypes.c_uint8 * size)()
-        n = C.llama_state_seq_get_data_ext(self.handle, buf, size, seq, flags)
-        if n != size:
-            raise LlamaCallError("llama_state_seq_get_data_ext", int(n), f"{self.name}: expected {size} bytes")
-        return bytes(buf)
-
-    def state_set(self, data: bytes, partial: bool = True, seq: int = 0) -> None:
-        flags = C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        n = C.llama_state_seq_set_data_ext(self.handle, buf, len(data), seq, flags)
-        if n == 0:
-            raise LlamaCallError("llama_state_seq_set_data_ext", 0, f"{self.name}: {len(data)} bytes not restored")
 
 
 class SeqContext:

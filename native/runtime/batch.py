@@ -8,21 +8,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..control.batch_plan import BatchPlanner, Wish
-from ..control.chooser import AdaptiveDrafters
+from ..control.chooser import DrafterChooser
 from ..core.memory import extend_grouped
 from ..core.stats import TokenEvent
 from . import step as speculative
 from .step import Ask
 
 if TYPE_CHECKING:
-    from ..control.length import AdaptiveDraft
+    from ..control.length import LengthController
     from .generation import Generation
 
 
-def _length_controller(g: Generation, drafter: str | None) -> AdaptiveDraft | None:
+def _length_controller(g: Generation, drafter: str | None) -> LengthController | None:
     """The length controller that speaks for a generation's drafts (under --drafter auto its drafter's)."""
     ctrl = g.controller
-    if isinstance(ctrl, AdaptiveDrafters):
+    if isinstance(ctrl, DrafterChooser):
         return ctrl.per.get(drafter) if drafter else None
     return ctrl
 
@@ -35,7 +35,7 @@ def wish(g: Generation, plan: tuple[int, tuple[str, ...] | None]) -> Wish:
     k, drafters = plan
     ses = g.session
     if g.settings.adaptive and g.controller is not None and drafters != ():
-        k = g.draft_limit if not isinstance(g.controller, AdaptiveDrafters) else k
+        k = g.draft_limit if not isinstance(g.controller, DrafterChooser) else k
     names = ses.available_drafters(g.settings) if drafters is None else drafters
     d = ses.drafters.get(names[0]) if names and k > 0 else None
     decodes = d is not None and not d.on_match_only
@@ -73,9 +73,10 @@ class Batch:
     def add_all(self, gens: list[Generation]) -> list[tuple[Generation, Exception]]:
         """Evaluate several generations' prompts and make them live; those that could not start, with why (the
         others go on). In one unified cache the prompts' untimed ends are evaluated together, in as few decodes
-        as the batch size allows (one pass of 4 or 8 prompts cost 0.65-0.77x one each on the CPU); a failure of
+        as the batch size allows (one pass of several prompts costs less than one each on the CPU); a failure of
         that decode is raised, nothing joined. With a stream per sequence llama.cpp splits prompts of different
-        lengths into many small passes (0.90-1.05x): one decode each there (docs/benchmarks.md).
+        lengths into many small passes, which gain nothing: one decode each there (docs/benchmarks.md, "serve
+        --parallel on an AMX Xeon").
 
         Each draft is got ready (calibration timings, prompt agreement, and after the first token the prompt
         read) where it may run alone (an empty batch, unless the load that made the batch stop drafting is likely
@@ -118,7 +119,7 @@ class Batch:
         False: the caller sends the tokens first, then calls delivered()."""
         out, going, plans = [], [], []
         for g in self.live:
-            plan = g.plan()
+            plan = g.next_step()
             if plan is None:
                 g.conclude()
                 out.append((g, []))

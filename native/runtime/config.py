@@ -30,11 +30,10 @@ def choose_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None, para
     both ways from 0.5k to 8k tokens. It does process a prompt faster, so a long prompt followed by a short
     answer can be quicker with --flash-attn on. With several sequences in one unified cache (--parallel) the
     plain kernel attends every row to every sequence's cells and masks the others', where the flash kernel skips
-    masked cells: benchmarks/parallel_attention.py (docs/benchmarks.md, "The attention path with several
-    sequences") measured it faster with it on at 2, 4 and 8 sequences, plain steps and verifies of 4 rows each, at
-    200-2,000 tokens each (0.40-0.96 of the time off), where one sequence is as fast either way (0.94-1.10).
-    With a stream per sequence each row attends its own stream, as one sequence does: a 4-sequence step took
-    0.26-0.88 of the time with it off on an AVX-512 Xeon (docs/benchmarks.md, "On an Intel Xeon (AVX-512, AMX)")."""
+    masked cells: benchmarks/parallel_attention.py measured it faster with it on at 2, 4 and 8 sequences, where
+    one sequence is as fast either way (docs/benchmarks.md, "The attention path with several sequences"). With a
+    stream per sequence each row attends its own stream, as one sequence does, and off is faster again
+    (docs/benchmarks.md, "On an Intel Xeon (AVX-512, AMX)")."""
     if flag not in FLASH_ATTN_VALUES:
         raise UsageError(f"--flash-attn must be auto, on or off ({flag})")
     if flag != "auto":
@@ -55,9 +54,8 @@ def on_cpu(ngl: int, devices: tuple[str, ...] | None) -> bool:
 def kv_streams(parallel: int, cpu: bool, plain_cache: bool) -> bool:
     """The target's cache layout for --parallel: a stream per sequence (llama-server's -np default) or one
     unified cache. In one cache every row's attention walks every sequence's cells; on the CPU, where the
-    batch's planner keeps several sequences plain nearly always, separate streams made a plain step of the
-    deep pair 14% cheaper and served plain loads 0.89x -> 0.99x llama-server's (docs/benchmarks.md, "a KV stream
-    per sequence"). A verify mixing row counts is split there into equal-length passes, so a GPU, where
+    batch's planner keeps several sequences plain nearly always, separate streams made plain steps cheaper and
+    served plain loads closer to llama-server's (docs/benchmarks.md, "a KV stream per sequence"). A verify mixing row counts is split there into equal-length passes, so a GPU, where
     drafting pays, keeps one cache; so do recurrent, sliding-window and MTP targets (`plain_cache` False),
     whose memory a padding row (ffi.padding_rows) would change."""
     return parallel > 1 and cpu and plain_cache
@@ -65,8 +63,24 @@ def kv_streams(parallel: int, cpu: bool, plain_cache: bool) -> bool:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything Engine's constructor takes but the clock, with Engine's own defaults (see Engine.__init__ for
-    what each means). Sequences are tuples here (frozen, hashable) and lists where Engine takes lists."""
+    """What an Engine is opened with: every option and its default, stated here alone (`Engine(config)`, or
+    `Engine(target, draft, **fields)`). Sequences are tuples (frozen, hashable).
+
+    Each model gets its own context size, batch size, threads and GPU layers (the draft's default to the
+    target's); generation stops at the smaller context, since the draft holds the same tokens.
+    `cpu_amx` lets llama.cpp use its AMX weight buffer, which crashes on some builds (native/llama/cpu.py).
+    `rollback_tokens`: on a recurrent/hybrid target, how many rejected tokens a verify can roll back through
+    llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it.
+    `flash_attn`/`draft_flash_attn`: on, off or auto: off for a model on the CPU alone, llama.cpp's choice
+    elsewhere (choose_flash_attn: on the CPU flash attention decodes slower at long context).
+    `mtp`: True loads the target's MTP head as a drafter (a target without one is refused), None loads it
+    where the target has one (--drafter auto), False never.
+    `draft_ctx`: the draft's context; smaller than ctx, the draft sees a window of that many recent tokens
+    (after the history's first DRAFT_SINK); None or 0: the whole context; "auto": the whole context, or a
+    window of WINDOW_TRIAL tokens where a session measures that it pays (greedy, --draft-max auto).
+    `parallel`: sequences held at once (`Engine.session(seq)` for each), `ctx` tokens each, in one cache per
+    model, so that one decode can carry rows of several (runtime/batch.py), the MTP head's too; more than one
+    turns the window trials off."""
 
     target: str
     draft: str | None = None
@@ -90,24 +104,9 @@ class EngineConfig:
     mtp: bool | None = False
     parallel: int = 1
 
-    def options(self) -> dict:
-        """Engine's keyword arguments (all but target, draft and the clock)."""
-        def as_list(v):
-            return list(v) if v is not None else None
-
-        return {"ctx": self.ctx, "threads": self.threads, "ngl": self.ngl, "ngl_draft": self.ngl_draft,
-                "n_batch": self.n_batch, "main_gpu": self.main_gpu,
-                "tensor_split": list(self.tensor_split) if self.tensor_split else None,
-                "draft_tensor_split": list(self.draft_tensor_split) if self.draft_tensor_split else None,
-                "devices": as_list(self.devices), "draft_devices": as_list(self.draft_devices),
-                "draft_ctx": self.draft_ctx, "draft_threads": self.draft_threads,
-                "draft_n_batch": self.draft_n_batch, "cpu_amx": self.cpu_amx,
-                "rollback_tokens": self.rollback_tokens, "flash_attn": self.flash_attn,
-                "draft_flash_attn": self.draft_flash_attn, "mtp": self.mtp, "parallel": self.parallel}
-
     def open(self, clock: Callable[[], float] | None = None,
              factory: Callable[..., Engine] | None = None) -> Engine:
-        """Load the models: Engine(target, draft, ...), or `factory` with the same arguments (a test's fake)."""
+        """Load the models: Engine(self), or `factory(self, clock=clock)` (a test's fake)."""
         if factory is None:
             from .engine import Engine as factory  # engine.py imports this module: import it when used
-        return factory(self.target, self.draft, clock=clock, **self.options())
+        return factory(self, clock=clock)

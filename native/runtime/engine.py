@@ -15,11 +15,11 @@ from typing import Callable
 from ...errors import UsageError
 from ...machine import physical_cores
 from ..core.compat import VocabInfo, check_compatible
-from ..core.settings import AUTO_DRAFT_CAP, DRAFT_MAX_CAP, MIN_DRAFT_WINDOW
+from ..core.settings import DRAFT_MAX_CAP, MIN_DRAFT_WINDOW
 from ..drafters import registry
 from ..drafters.mtp import no_head_error
 from ..llama import ffi as _ffi
-from .config import choose_flash_attn, kv_streams, on_cpu
+from .config import EngineConfig, choose_flash_attn, kv_streams, on_cpu
 from .session import Session
 
 
@@ -52,34 +52,27 @@ class ModelInfo:
     n_vocab: int
 
 
+def as_list(v: tuple | None) -> list | None:
+    return list(v) if v is not None else None
+
+
 class Engine:
     """Loads a target (and optionally a draft) and creates contexts for them."""
 
-    def __init__(self, target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
-                 ctx: int = 4096, threads: int | None = None, ngl: int = 0, ngl_draft: int = 0,
-                 n_batch: int = 512, main_gpu: int = 0, tensor_split: list[float] | None = None,
-                 draft_tensor_split: list[float] | None = None, devices: list[str] | None = None,
-                 draft_devices: list[str] | None = None, draft_ctx: int | str | None = "auto",
-                 draft_threads: int | None = None, draft_n_batch: int | None = None, cpu_amx: bool = False,
-                 clock: Callable[[], float] | None = None, rollback_tokens: int = AUTO_DRAFT_CAP,
-                 flash_attn: str = "auto", draft_flash_attn: str | None = None, mtp: bool | None = False,
-                 parallel: int = 1):
-        """Each model gets its own context size, batch size, threads and GPU layers (the draft's default to
-        the target's); generation stops at the smaller context, since the draft holds the same tokens.
-        `cpu_amx` lets llama.cpp use its AMX weight buffer, which crashes on some builds (native/llama/cpu.py).
-        `clock` times the steps (default time.perf_counter); a SimulatedClock makes timings deterministic.
-        `rollback_tokens`: on a recurrent/hybrid target, how many rejected tokens a verify can roll back through
-        llama.cpp's state snapshots (n_rs_seq) instead of a checkpoint copy; longer drafts fall back to it.
-        `flash_attn`/`draft_flash_attn`: on, off or auto: off for a model on the CPU alone, llama.cpp's choice
-        elsewhere (config.choose_flash_attn: on the CPU flash attention decodes slower at long context).
-        `mtp`: True loads the target's MTP head as a drafter (a target without one is refused), None loads it
-        where the target has one (--drafter auto), False never.
-        `draft_ctx`: the draft's context; smaller than ctx, the draft sees a window of that many recent tokens
-        (after the history's first DRAFT_SINK); None or 0: the whole context; "auto": the whole context, or a
-        window of WINDOW_TRIAL tokens where a session measures that it pays (greedy, --draft-max auto).
-        `parallel`: sequences held at once (`session(seq)` for each), `ctx` tokens each, in one cache per model, so
-        that one decode can carry rows of several (runtime/batch.py), the MTP head's too; more than one turns the
-        window trials off."""
+    def __init__(self, target: str | os.PathLike | EngineConfig, draft: str | os.PathLike | None = None, *,
+                 clock: Callable[[], float] | None = None, **options):
+        """Load the models and make the contexts: from an EngineConfig (runtime/config.py: every option, its default
+        and what it means), or from the target, the draft and any of EngineConfig's fields as keywords
+        (`Engine(target, draft, ctx=256)`). `clock` times the steps (default time.perf_counter); a
+        SimulatedClock makes timings deterministic."""
+        cfg = target if isinstance(target, EngineConfig) else EngineConfig(
+            str(target), None if draft is None else str(draft),
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
+        self.config = cfg
+        ctx, threads, ngl, ngl_draft, n_batch = cfg.ctx, cfg.threads, cfg.ngl, cfg.ngl_draft, cfg.n_batch
+        devices, draft_devices = as_list(cfg.devices), as_list(cfg.draft_devices)
+        draft_ctx, draft_threads, flash_attn, mtp, parallel = (cfg.draft_ctx, cfg.draft_threads, cfg.flash_attn,
+                                                               cfg.mtp, cfg.parallel)
         if parallel < 1:
             raise UsageError(f"--parallel must be at least 1 ({parallel})")
         self.parallel = parallel
@@ -94,23 +87,24 @@ class Engine:
                 raise UsageError(f"{flag} must be at least {least} ({v})")
         self.threads = threads or physical_cores()
         self.draft_threads = draft_threads or self.threads
-        draft_flash_attn = self.draft_flash_attn = choose_flash_attn(draft_flash_attn or flash_attn, ngl_draft,
+        draft_flash_attn = self.draft_flash_attn = choose_flash_attn(cfg.draft_flash_attn or flash_attn, ngl_draft,
                                                                      draft_devices or devices, parallel)
         choose_flash_attn(flash_attn, ngl, devices, parallel)  # a bad value fails before any load
-        # what the drafters' resources are opened with (Drafter.provide)
-        self.ctx_asked, self.n_batch_asked, self.mtp_asked = ctx, n_batch, mtp
+        # what the draft model's context is opened with (Drafter.provide)
         self.draft_n_ctx = draft_ctx or ctx  # None or 0: all of it
-        self.draft_n_batch = max(draft_n_batch or n_batch, parallel)
+        self.draft_n_batch = max(cfg.draft_n_batch or n_batch, parallel)
         self.provided: dict[str, object] = {}  # each drafter kind's resources on this engine, by name
-        self.target = _ffi.Model(target, n_gpu_layers=ngl, main_gpu=main_gpu, tensor_split=tensor_split,
-                                 devices=devices, cpu_amx=cpu_amx, load_mtp=mtp is not False)
+        self.target = _ffi.Model(cfg.target, n_gpu_layers=ngl, main_gpu=cfg.main_gpu,
+                                 tensor_split=as_list(cfg.tensor_split), devices=devices, cpu_amx=cfg.cpu_amx,
+                                 load_mtp=mtp is not False)
         self.draft = None
         try:
             if mtp is True and self.target.n_layer_nextn < 1:
                 raise no_head_error(self.target)
-            if draft is not None:
-                self.draft = _ffi.Model(draft, n_gpu_layers=ngl_draft, main_gpu=main_gpu,
-                                        tensor_split=draft_tensor_split, devices=draft_devices, cpu_amx=cpu_amx)
+            if cfg.draft is not None:
+                self.draft = _ffi.Model(cfg.draft, n_gpu_layers=ngl_draft, main_gpu=cfg.main_gpu,
+                                        tensor_split=as_list(cfg.draft_tensor_split), devices=draft_devices,
+                                        cpu_amx=cfg.cpu_amx)
                 check_compatible(VocabInfo.of(self.target), VocabInfo.of(self.draft))
             t = self.target
             plain_cache = not (t.is_recurrent_or_hybrid or t.n_swa or mtp is not False and t.n_layer_nextn > 0)
@@ -120,7 +114,7 @@ class Engine:
             rows = parallel * (DRAFT_MAX_CAP + 1)  # every sequence's verify in one decode
             self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=max(n_batch, rows),
                                         n_outputs_max=rows, name="target",
-                                        n_rs_seq=rollback_tokens if self.target.is_recurrent_or_hybrid else 0,
+                                        n_rs_seq=cfg.rollback_tokens if self.target.is_recurrent_or_hybrid else 0,
                                         flash_attn=flash_attn, n_seq=parallel,
                                         unified=not streams)
             self.tgt_ctx.warm_up()

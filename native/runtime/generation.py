@@ -5,14 +5,14 @@ from __future__ import annotations
 import codecs
 from typing import Iterator, TYPE_CHECKING
 
-from ..control.chooser import AdaptiveDrafters
-from ..control.length import AdaptiveDraft
+from ..control.chooser import DrafterChooser
+from ..control.length import LengthController
 from ..control.step import StepOutcome
 from ..core.accept import accepted_per_position
 from ..core.constraint import Guide
 from ..core.sampling import Sampling
 from ..core.settings import AGREE_TOKENS, GenerationSettings
-from ..core.stats import GenerationStats, Progress, TokenEvent
+from ..core.stats import GenerationStats, RunningCounts, TokenEvent
 from ..drafters import registry
 from . import step as speculative
 from .step import Ask, StepResult
@@ -21,25 +21,25 @@ if TYPE_CHECKING:
     from .session import Session
 
 
-def new_controller(ses: Session, s: GenerationSettings) -> AdaptiveDraft | AdaptiveDrafters:
+def new_controller(ses: Session, s: GenerationSettings) -> LengthController | DrafterChooser:
     """A new draft_max="auto" controller (Session.controller keeps one per sampling settings): one per drafter
     under --drafter auto, else one for the drafters' list."""
     eng = ses.engine
     attention = eng.target.attention_per_context_token()
     if s.drafters == (registry.AUTO,):
         names = ses.available_drafters(s)
-        return AdaptiveDrafters(s.draft_cap, registry.cost_priors(eng, names), attention_prior=attention,
+        return DrafterChooser(s.draft_cap, registry.cost_priors(eng, names), attention_prior=attention,
                                 model=ses.reader.name if ses.reader is not None else None,
                                 memoryless=[n for n in names if not ses.drafters[n].has_memory])
     # the dearest drafter of the list (registry.cost_priors): an n-gram lookup costs next to nothing, a model about
     # its share of the target's bytes (--drafter ngram with a draft model loaded is priced as the lookup it is)
     ratio = max(registry.cost_priors(eng, ses.available_drafters(s)).values(), default=0.01)
-    return AdaptiveDraft(s.draft_cap, cost_ratio_prior=ratio, attention_prior=attention)
+    return LengthController(s.draft_cap, cost_ratio_prior=ratio, attention_prior=attention)
 
 
-def step_overhead(ctrl: AdaptiveDraft | AdaptiveDrafters) -> float:
+def step_overhead(ctrl: LengthController | DrafterChooser) -> float:
     """The per-step overhead a draft window's trial is priced with (--drafter auto: the one all drafters share)."""
-    return ctrl.shared.overhead if isinstance(ctrl, AdaptiveDrafters) else ctrl.overhead
+    return ctrl.shared.overhead if isinstance(ctrl, DrafterChooser) else ctrl.overhead
 
 
 def reader_window(ses: Session) -> int | None:
@@ -62,14 +62,14 @@ def make_stats(g: Generation, stop: str, gen_s: float) -> GenerationStats:
     p, s, ctrl, samp = g._p, g.settings, g.controller, g._samp
     guide = samp.guide if samp is not None else None
     counts = drafter_counts(g.session)
-    grew = {k: v - p.counts0.get(k, 0) for k, v in counts.items()}
+    grew = {k: v - p.drafter_counts_at_start.get(k, 0) for k, v in counts.items()}
     return GenerationStats(
         speculative=g.speculative, n_prompt=len(g.new_tokens), n_generated=len(g.tokens),
         n_steps=p.n_steps, n_drafted=p.n_drafted, n_accepted=sum(p.accepted),
         accepted_per_pos=tuple(accepted_per_position(p.accepted, s.draft_cap)) if g.speculative else (),
         prompt_ms=p.prompt_s * 1e3, draft_ms=p.draft_s * 1e3, verify_ms=p.verify_s * 1e3,
-        gen_ms=gen_s * 1e3, decode_ms=(g._decode_s() - p.decode0) * 1e3,
-        n_restores=g.session.n_restores - p.restores0, n_rollbacks=g.session.n_rollbacks - p.rollbacks0,
+        gen_ms=gen_s * 1e3, decode_ms=(g._decode_s() - p.decode_s_at_start) * 1e3,
+        n_restores=g.session.n_restores - p.restores_at_start, n_rollbacks=g.session.n_rollbacks - p.rollbacks_at_start,
         n_draft_slides=grew.get("n_draft_slides", 0),
         draft_window=reader_window(g.session) if g.speculative else None,
         n_window_trials=grew.get("n_window_trials", 0), n_window_reverts=grew.get("n_window_reverts", 0),
@@ -77,13 +77,13 @@ def make_stats(g: Generation, stop: str, gen_s: float) -> GenerationStats:
         accept_mode=(samp.mode if samp else "greedy") if g.speculative else (
             "greedy" if s.temp <= 0 else "sample"),
         sample_ms=samp.sample_s * 1e3 if samp else 0.0,
-        n_plain_steps=ctrl.n_plain_steps - p.plain0 if ctrl else 0,
-        n_probes=ctrl.n_probes - p.probes0 if ctrl else 0,
+        n_plain_steps=ctrl.n_plain_steps - p.plain_steps_at_start if ctrl else 0,
+        n_probes=ctrl.n_probes - p.probes_at_start if ctrl else 0,
         steps_by_k=tuple(sorted(p.steps_by_k.items())), tried_per_pos=tuple(p.tried),
         verify_ms_by_size=tuple((b, n, ms * 1e3) for b, (n, ms) in sorted(p.verify_by_size.items())),
         draft_next_ms=p.draft_next_s * 1e3, n_draft_next=p.n_draft_next,
         n_drafted_by=tuple(sorted(p.drafted_by.items())), n_accepted_by=tuple(sorted(p.accepted_by.items())),
-        constrained=guide is not None, n_drafted_constrained=p.c_drafted, n_accepted_constrained=p.c_accepted,
+        constrained=guide is not None, n_drafted_constrained=p.drafted_constrained, n_accepted_constrained=p.accepted_constrained,
         n_masked_rows=guide.n_rows if guide else 0, n_masks=guide.n_masks if guide else 0,
         n_drafted_unforced=guide.n_unforced if guide else 0,
         mask_ms=guide.mask_s * 1e3 if guide else 0.0)
@@ -99,12 +99,12 @@ class Generation:
         self.settings = settings
         self.speculative = speculative
         self.stats: GenerationStats | None = None
-        self.controller: AdaptiveDraft | None = None  # draft_max="auto": its final estimates (for tune)
-        self.draft_limit = 0  # the last step's room to draft (_plan)
+        self.controller: LengthController | None = None  # draft_max="auto": its final estimates (for tune)
+        self.draft_limit = 0  # the last step's room to draft (_choose_draft)
         self.prepared = True  # start(prepare): its draft was got ready (timings, agreement)
         self.tokens: list[int] = []
         self._text: list[str] = []
-        self._p = Progress()
+        self._p = RunningCounts()
         self._clock = session.engine.clock
         self._samp: Sampling | None = None
         self._reader = None  # the drafter that reads the prompt, where this generation may draft with it
@@ -138,7 +138,7 @@ class Generation:
     def __iter__(self) -> Iterator[TokenEvent]:
         self.start()
         try:
-            while (plan := self.plan()) is not None:
+            while (plan := self.next_step()) is not None:
                 events = self.take(speculative.step([Ask(self.session, self.settings, self._samp, *plan)])[0])
                 yield from self._deliver(events)
                 self.after_delivery()
@@ -159,10 +159,10 @@ class Generation:
         self._samp = Sampling(s, self.speculative, None if s.constraint is None else
                               Guide(s.constraint, ses.engine.target, self.tokens, self._clock))
         if self.controller is not None:
-            p.plain0, p.probes0 = self.controller.n_plain_steps, self.controller.n_probes
+            p.plain_steps_at_start, p.probes_at_start = self.controller.n_plain_steps, self.controller.n_probes
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        p.decode0 = self._decode_s()
-        p.restores0, p.rollbacks0, p.counts0 = ses.n_restores, ses.n_rollbacks, drafter_counts(ses)
+        p.decode_s_at_start = self._decode_s()
+        p.restores_at_start, p.rollbacks_at_start, p.drafter_counts_at_start = ses.n_restores, ses.n_rollbacks, drafter_counts(ses)
         p.t_gen0 = self._clock()
 
     def joined_prefill(self, seconds: float) -> None:
@@ -170,10 +170,10 @@ class Generation:
         prompt's time, the whole of it (as a shared verify's), not the generation's."""
         p = self._p
         p.prompt_s += seconds
-        p.decode0 = self._decode_s()
+        p.decode_s_at_start = self._decode_s()
         p.t_gen0 = self._clock()
 
-    def plan(self) -> tuple[int, tuple[str, ...] | None] | None:
+    def next_step(self) -> tuple[int, tuple[str, ...] | None] | None:
         """The next step's draft length and drafters, or None where the generation has ended."""
         remaining = self._remaining()
         done = None if self._done else self._stop_before_step(remaining)
@@ -183,7 +183,7 @@ class Generation:
         self._t_step = self._clock()
         self._first = self._p.n_steps == 0 and self.speculative
         # the first token comes from the target's prefill alone (a plain step): drafting waits for it
-        n_draft_max, drafters = (0, ()) if self._first else self._plan(remaining)
+        n_draft_max, drafters = (0, ()) if self._first else self._choose_draft(remaining)
         return max(n_draft_max, 0), drafters
 
     def take(self, step: StepResult) -> list[TokenEvent]:
@@ -268,7 +268,7 @@ class Generation:
         self._trial = greedy_reader and prepare and self._reader.wants_prompt_rows(len(self.new_tokens))
         has_reader = self._reader is not None
         ses.prefill_target(self.new_tokens,
-                           timed=(lambda first, last: ctrl.calibration_points(first, last, has_reader))
+                           spans_to_time=(lambda first, last: ctrl.calibration_points(first, last, has_reader))
                            if ctrl is not None and prepare else None,
                            agree=AGREE_TOKENS if self._wants or self._trial else 0,
                            sampled=sampled, joined=joined)
@@ -280,10 +280,10 @@ class Generation:
         prompt's (prompt_ms), not the generation's."""
         ses, ctrl, reader, p = self.session, self.controller, self._reader, self._p
         t0, d0 = self._clock(), self._decode_s()
-        timed = ses.prefill_reader()
-        for pos, n, target_s, draft_s in timed:  # the reader's timing prices only a reader this generation drafts with
+        timings = ses.prefill_reader()
+        for pos, n, target_s, draft_s in timings:  # the reader's timing prices only a reader this generation drafts with
             ctrl.calibrate(pos, target_s, draft_s if reader is not None else None, n)
-        own = ctrl.per[reader.name] if isinstance(ctrl, AdaptiveDrafters) and reader is not None else ctrl
+        own = ctrl.per[reader.name] if isinstance(ctrl, DrafterChooser) and reader is not None else ctrl
         if own is not None and reader is not None and ses.read_timing is not None:
             own.draft.calibrate_catchup(*ses.read_timing)  # its catch-up's price until one is measured
         agreement = ses.agreement
@@ -295,9 +295,9 @@ class Generation:
         spent = self._clock() - t0
         p.prompt_s += spent
         p.t_gen0 += spent
-        p.decode0 += self._decode_s() - d0
+        p.decode_s_at_start += self._decode_s() - d0
 
-    def _plan(self, remaining: int | None) -> tuple[int, tuple[str, ...] | None]:
+    def _choose_draft(self, remaining: int | None) -> tuple[int, tuple[str, ...] | None]:
         """This step's draft length and drafters (None: --drafter's list; under auto the controller's choice,
         () for plain decoding)."""
         ses, s, ctrl = self.session, self.settings, self.controller
@@ -310,7 +310,7 @@ class Generation:
         if ctrl is None:
             return n_draft_max, None
         ctrl.at(len(ses.history), remaining)
-        if isinstance(ctrl, AdaptiveDrafters):
+        if isinstance(ctrl, DrafterChooser):
             name, n_draft_max = ctrl.choose(ses.auto_limits(s, max(n_draft_max, 0)))
             return n_draft_max, (name,) if name else ()
         return ctrl.choose(n_draft_max), None
@@ -319,10 +319,11 @@ class Generation:
         """Tell the controller what the step drafted, accepted and cost, and the drafters that a step was taken."""
         ctrl = self.controller
         if ctrl is not None:
-            ctrl.observe(StepOutcome(step.n_drafted, len(step.emitted) - 1, step.draft_token_s, step.verify_s,
-                                     self._clock() - t_step - step.draft_s - step.verify_s, step.draft_s,
-                                     step.first_token_s, step.catchup, drafter=step.drafter,
-                                     acceptance=step.acceptance, shared=step.shared))
+            overhead_s = self._clock() - t_step - step.draft_s - step.verify_s
+            ctrl.observe(StepOutcome(n_drafted=step.n_drafted, n_accepted=len(step.emitted) - 1,
+                                     draft_token_s=step.draft_token_s, verify_s=step.verify_s, overhead_s=overhead_s,
+                                     draft_s=step.draft_s, first_token_s=step.first_token_s, catchup=step.catchup,
+                                     drafter=step.drafter, acceptance=step.acceptance, shared=step.shared))
         for d in self.session.drafters.values():
             d.stepped()
 

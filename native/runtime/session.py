@@ -15,8 +15,8 @@ from ..drafters.base import Agreement, Drafter, Timing
 from .generation import Generation, new_controller
 
 if TYPE_CHECKING:
-    from ..control.chooser import AdaptiveDrafters
-    from ..control.length import AdaptiveDraft
+    from ..control.chooser import DrafterChooser
+    from ..control.length import LengthController
     from .engine import Engine
 
 
@@ -30,7 +30,7 @@ class Session:
         one = engine.parallel == 1
         self.tgt_ctx = engine.tgt_ctx if one else engine.tgt_ctx.seq(seq)
         self.history: list[int] = []  # changed in place only: drafters read the same list
-        self._controllers: dict[tuple, AdaptiveDraft | AdaptiveDrafters] = {}
+        self._controllers: dict[tuple, LengthController | DrafterChooser] = {}
         self.tgt = Memory(self.tgt_ctx, partial_rm=not engine.target.is_recurrent_or_hybrid)
         self.drafters: dict[str, Drafter] = registry.build(self)
         # the drafter with a memory of the prompt (a draft model), which prefill fills, times and compares
@@ -76,7 +76,7 @@ class Session:
         """Recurrent/hybrid tails dropped through state snapshots so far, every memory."""
         return self.tgt.n_rollbacks + sum(d.n_rollbacks for d in self.drafters.values())
 
-    def controller(self, s: GenerationSettings) -> AdaptiveDraft | AdaptiveDrafters:
+    def controller(self, s: GenerationSettings) -> LengthController | DrafterChooser:
         """The draft_max="auto" controller for these sampling settings. It lives as long as the session
         (reset() included): costs and acceptance belong to the pair and the machine, not to one prompt, so
         later generations start from what earlier ones measured instead of from a prior."""
@@ -119,21 +119,21 @@ class Session:
         self.rewind()
 
     # ==== prefill ===============================================================================
-    def prefill(self, new_tokens: list[int], timed: Callable[[int, int], list[tuple[int, int]]] | None = None,
+    def prefill(self, new_tokens: list[int], spans_to_time: Callable[[int, int], list[tuple[int, int]]] | None = None,
                 agree: int = 0, sampled: GenerationSettings | None = None) -> list[Timing]:
         """Append tokens to the history and evaluate all but the last on the target and the reader: the target's
         part (prefill_target), then the reader's (prefill_reader).
 
-        `timed(first, last)`: spans (position, n_tokens) among the new ones (first..last-1 may be evaluated) to
+        `spans_to_time(first, last)`: spans (position, n_tokens) among the new ones (first..last-1 may be evaluated) to
         decode alone and time (a Timing each). `agree`: up to that many new tokens just before the timed spans
         are decoded with every row's logits on the target and the reader, and `self.agreement` is set (None
         where none were compared): greedy choices that agree, or with `sampled` (rejection sampling's settings)
         each row's expected acceptance Σ min(p, q) under their transform, summed. The tokens and positions
         decoded are the same either way."""
-        self.prefill_target(new_tokens, timed, agree, sampled)
+        self.prefill_target(new_tokens, spans_to_time, agree, sampled)
         return self.prefill_reader()
 
-    def prefill_target(self, new_tokens: list[int], timed: Callable[[int, int], list[tuple[int, int]]] | None = None,
+    def prefill_target(self, new_tokens: list[int], spans_to_time: Callable[[int, int], list[tuple[int, int]]] | None = None,
                        agree: int = 0, sampled: GenerationSettings | None = None,
                        joined: list | None = None) -> None:
         """prefill's target part: the target holds all but the history's last token when it returns, and a
@@ -153,7 +153,7 @@ class Session:
         self._pending = None
         try:
             self.rewind()
-            self._pending = self._target_spans(self._spans(timed, agree), sampled, joined)
+            self._pending = self._target_spans(self._spans(spans_to_time, agree), sampled, joined)
         except BaseException:
             del self.history[-len(new_tokens):]
             self.rewind()
@@ -179,12 +179,12 @@ class Session:
         """The reader will not read the prompt now (prefill_reader skipped): it catches up when it drafts."""
         self._pending = None
 
-    def _spans(self, timed: Callable[[int, int], list[tuple[int, int]]] | None, agree: int) -> list[Span]:
+    def _spans(self, spans_to_time: Callable[[int, int], list[tuple[int, int]]] | None, agree: int) -> list[Span]:
         """The timed spans in order, not overlapping, and the agreement span just before those that end the
         prompt (and after any earlier one)."""
         last = len(self.history) - 1
         spans, end = [], len(self.tgt.tokens)
-        for pos, n in sorted(set(timed(len(self.tgt.tokens), last) if timed else ())):
+        for pos, n in sorted(set(spans_to_time(len(self.tgt.tokens), last) if spans_to_time else ())):
             if pos >= end and n >= 1 and pos + n <= last:
                 spans.append(Span(pos, n))
                 end = pos + n

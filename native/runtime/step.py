@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class StepResult:
+    """What one sequence's step did: the tokens it emitted, who drafted and what it cost (the controller learns
+    from it as control/step.py's StepOutcome)."""
+
     emitted: list[int]
     n_drafted: int
     draft_s: float

@@ -9,7 +9,7 @@ from typing import Callable
 from ...errors import SpecqError
 from .api import ApiError, ApiRequest
 from .reasoning import ReasoningStream, ThinkFormat, opens_thinking
-from .template import TemplateFormatter
+from ..core.template import TemplateFormatter
 from .toolgrammar import GRAMMAR_MARKERS, forced_call_grammar, marker_tokens, tool_call_grammar
 from .toolparse import ToolStream
 from .tools import ToolRequest, for_family, new_call_id

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ... import __version__
+from ...version import __version__
 from ...errors import SpecqError, UsageError, check_text
 from ..core.constraint import Constraint
 from ..core.settings import ACCEPT_MODES, DRAFT_MAX_CAP, GenerationSettings

@@ -33,7 +33,7 @@ from .api import (FINISH, ApiError, ApiRequest, Limits, ResponseIds, chunk, cons
 from .answer import AnswerPlan, AnswerStream, call_grammar, merge, render_chat
 from .reasoning import think_format
 from .outbox import Outbox, emitter
-from .template import TemplateFormatter, load_template
+from ..core.template import TemplateFormatter, load_template, model_token_text
 from .tools import template_family
 from .scheduler import Scheduler
 from .request import Job
@@ -106,10 +106,9 @@ class ServerState:
                  model_name: str):
         self.engine, self.defaults, self.cfg = engine, defaults, cfg
         tgt = engine.target
-        self.bos_text = tgt.token_text(tgt.bos).decode("utf-8", "replace") if tgt.bos >= 0 else ""
-        eos_text = tgt.token_text(tgt.eos).decode("utf-8", "replace") if tgt.eos >= 0 else ""
+        self.bos_text = model_token_text(tgt, tgt.bos)
         # A model without a chat template still serves /v1/completions.
-        self.formatter = TemplateFormatter(template, self.bos_text, eos_text) if template else None
+        self.formatter = TemplateFormatter.for_model(template, tgt) if template else None
         self.family = template_family(template) if template else None  # the tool-call format it writes
         self.think = think_format(template) if template else None  # a thinking model's markers
         self.limits = Limits(max_tokens=cfg.max_tokens, model_id=model_name, draft=engine.draft is not None,
@@ -472,7 +471,8 @@ class SpecqServer:
 
     The engine stays on the thread that loaded it (this one, the main thread), which runs the scheduler's loop;
     uvicorn runs on a thread of its own. llama.cpp's CPU backend computes with GNU OpenMP, whose thread team
-    belongs to the calling thread: an engine driven from another thread than its own decoded ~0.65x as fast."""
+    belongs to the calling thread: an engine driven from another thread than its own decodes slower
+    (docs/benchmarks.md, "The engine driven from another thread")."""
 
     def __init__(self, engine: Engine, template: str | None, defaults: GenerationSettings, cfg: ServeConfig,
                  model_name: str):

@@ -4,7 +4,7 @@ server with one sequence is this loop with N = 1.
 
 It runs on the thread that loaded the models (the server's main thread): llama.cpp's CPU backend computes with GNU
 OpenMP, whose thread team belongs to the thread that first used it, and driven from any other thread every decode
-ran about half as fast (docs/architecture.md). Between two steps the loop ends the generations whose clients left,
+runs slower (docs/benchmarks.md, "The engine driven from another thread"). Between two steps the loop ends the generations whose clients left,
 gives waiting requests the idle sequences (each the one whose cached tokens share the longest prefix with its
 prompt, as llama-server's slot-prompt similarity), evaluates up to one chunk of joining prompts, then steps every
 running generation once and sends each its text. A request that ends (end of generation, its token limit, a stop

@@ -1,4 +1,4 @@
-"""The chat template, shared by `specq serve` and `specq chat`: --template or the model's own, and the
+"""The chat template, shared by `specq serve`, `specq chat` and the Python API: --template or the model's own, and the
 conversation rendered through llama-cpp-python's sandboxed Jinja2 formatter (which gives templates
 `raise_exception`, `strftime_now`, `tools` and any extra variables, as Hugging Face's renderer does)."""
 
@@ -39,6 +39,11 @@ class TemplateFormatter:
         except jinja2.TemplateError as e:
             raise SpecqError(f"the chat template does not parse ({e}); pass a working one with --template")
 
+    @classmethod
+    def for_model(cls, template: str, model) -> "TemplateFormatter":
+        """The formatter with the model's BOS and EOS token texts (what templates call bos_token, eos_token)."""
+        return cls(template, model_token_text(model, model.bos), model_token_text(model, model.eos))
+
     def render(self, messages: list[dict], tools: list[dict] | None = None, extra: dict | None = None) -> str:
         """The prompt text; `tools` and the request's chat_template_kwargs (`extra`) go to the template as
         variables, as Hugging Face's apply_chat_template passes them."""
@@ -49,3 +54,8 @@ class TemplateFormatter:
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             raise SpecqError(f"the chat template refused the conversation ({e}); "
                              "check the roles (some templates need user/assistant turns to alternate)")
+
+
+def model_token_text(model, token: int) -> str:
+    """A special token's text ("" where the model has none: id < 0)."""
+    return model.token_text(token).decode("utf-8", "replace") if token >= 0 else ""
