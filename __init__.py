@@ -1,3 +1,19 @@
-"""specq: exact draft-model speculative decoding over llama.cpp."""
+"""specq: exact speculative decoding over llama.cpp, driven from Python.
 
-__version__ = "0.2.0"
+The public API (docs/python-api.md), stable from here on: `load`, `Pair`, `Result`, `Stream`, `TokenEvent`,
+`GenerationStats`, `SpecqError`, `WrongThreadError`. Everything under `specq.native` is internal.
+"""
+
+from .version import __version__
+
+__all__ = ["load", "Pair", "Result", "Stream", "TokenEvent", "GenerationStats", "SpecqError", "WrongThreadError",
+           "__version__"]
+
+
+def __getattr__(name: str):
+    """The public names, imported on first use (`import specq` alone loads no model library)."""
+    if name in __all__:
+        from .native import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'specq' has no attribute {name!r}")

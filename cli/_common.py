@@ -142,19 +142,23 @@ RpcOpt = Annotated[Optional[str], typer.Option("--rpc", help="RPC servers HOST:P
 
 
 # -- the one group: each shared flag's annotation and default, stated here alone ----------------------------
+# A default that means what the library's does is read from it (GenerationSettings, EngineConfig); the CLI's own
+# differ on purpose: --draft-max auto (the library drafts 8), --ngl unset (all layers on a GPU where there is one).
+_GEN, _ENG = GenerationSettings, EngineConfig
 SHARED_FLAGS: dict[str, tuple] = {
     "pair": (PairOpt, None), "target": (TargetOpt, None), "draft": (DraftOpt, None),
     # generation
-    "draft_max": (DraftMaxOpt, "auto"), "draft_min": (DraftMinOpt, 0), "p_min": (PMinOpt, 0.0),
-    "temp": (TempOpt, 0.0), "top_k": (TopKOpt, 40), "top_p": (TopPOpt, 0.95), "min_p": (MinPOpt, 0.05),
-    "seed": (SeedOpt, 0), "accept": (AcceptOpt, "auto"), "drafter": (DrafterOpt, "model"),
-    "ngram_min": (NgramMinOpt, 3), "ngram_max": (NgramMaxOpt, 6),
+    "draft_max": (DraftMaxOpt, "auto"), "draft_min": (DraftMinOpt, _GEN.draft_min), "p_min": (PMinOpt, _GEN.p_min),
+    "temp": (TempOpt, _GEN.temp), "top_k": (TopKOpt, _GEN.top_k), "top_p": (TopPOpt, _GEN.top_p),
+    "min_p": (MinPOpt, _GEN.min_p), "seed": (SeedOpt, _GEN.seed), "accept": (AcceptOpt, _GEN.accept),
+    "drafter": (DrafterOpt, _GEN.drafter), "ngram_min": (NgramMinOpt, _GEN.ngram_min),
+    "ngram_max": (NgramMaxOpt, _GEN.ngram_max),
     # the engine
-    "ctx": (CtxOpt, 4096), "threads": (ThreadsOpt, None), "ctx_draft": (CtxDraftOpt, "auto"),
-    "threads_draft": (ThreadsDraftOpt, None), "ngl": (NglOpt, None), "ngl_draft": (NglDraftOpt, None),
-    "vram_budget": (VramBudgetOpt, None), "main_gpu": (MainGpuOpt, 0), "tensor_split": (TensorSplitOpt, None),
-    "device": (DeviceOpt, None), "draft_device": (DraftDeviceOpt, None), "rpc": (RpcOpt, None),
-    "cpu_amx": (CpuAmxOpt, False), "flash_attn": (FlashAttnOpt, "auto"),
+    "ctx": (CtxOpt, _ENG.ctx), "threads": (ThreadsOpt, _ENG.threads), "ctx_draft": (CtxDraftOpt, _ENG.draft_ctx),
+    "threads_draft": (ThreadsDraftOpt, _ENG.draft_threads), "ngl": (NglOpt, None), "ngl_draft": (NglDraftOpt, None),
+    "vram_budget": (VramBudgetOpt, None), "main_gpu": (MainGpuOpt, _ENG.main_gpu),
+    "tensor_split": (TensorSplitOpt, None), "device": (DeviceOpt, None), "draft_device": (DraftDeviceOpt, None),
+    "rpc": (RpcOpt, None), "cpu_amx": (CpuAmxOpt, _ENG.cpu_amx), "flash_attn": (FlashAttnOpt, _ENG.flash_attn),
 }
 GENERATION_FLAGS = ("draft_max", "draft_min", "p_min", "temp", "top_k", "top_p", "min_p", "seed", "accept",
                     "drafter", "ngram_min", "ngram_max")

@@ -116,6 +116,26 @@ def test_runnable_block(where, body, tmp_path):
     assert "specq: error" not in r.stderr and "Traceback" not in r.stderr
 
 
+def python_blocks() -> list[tuple[str, str]]:
+    return [(f"{p.name}:{line}", body) for p in DOCS for info, body, line in blocks(p)
+            if info.split() == ["python", "runnable"]]
+
+
+@pytest.mark.parametrize("where, body", [pytest.param(w, b, id=w) for w, b in python_blocks()])
+def test_runnable_python_block(where, body, tmp_path):
+    """The Python API's examples (docs/python-api.md) run as written, by this Python, in a fresh process."""
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", body], cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{where} failed ({r.returncode}):\n{body}\n{r.stderr[-2000:]}"
+    assert r.stdout.strip() and "Traceback" not in r.stderr
+
+
+def test_the_python_api_page_has_examples_to_run():
+    assert len(python_blocks()) >= 3
+
+
 def test_ideal_speedup_table_matches_the_formula():
     text = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")
     m = re.search(r"<!-- ideal-speedup-table: alpha \| (.*?) -->\n(.*?)\n\n", text, re.S)

@@ -153,12 +153,24 @@ def test_the_roots_modules_import_none_of_the_folders():
     and they import no folder's module, lazily or not (atomic once reached up to native/llama, manifest to
     native/commands for the cache folder: one import circle through every layer)."""
     folders = tuple(f"specq.{d}" for d in PACKAGE_DIRS)
-    found = {f.name: sorted(m for m in imported_modules(f) if m.startswith(folders)) for f in ROOT.glob("*.py")}
+    found = {f.name: sorted(m for m in imported_modules(f) if m.startswith(folders)) for f in ROOT.glob("*.py")
+             if f.name != "__init__.py"}  # the package's face, above everything (test_the_face_imports_only_the_api)
     assert {name: mods for name, mods in found.items() if mods} == {}
 
 
+def test_the_face_imports_only_the_api():
+    """`import specq` is the public API's face: it imports native/api.py (lazily, on first use of a public name)
+    and the version, nothing else of the package's, so that `import specq` stays cheap and the API is its one
+    door (every module reads the version from version.py, not from the face: no folder imports the face)."""
+    assert imported_modules(ROOT / "__init__.py") == {"specq.native", "specq.native.api", "specq.version",
+                                                      "specq.version.__version__"}
+
+
 def folder(module: str) -> str:
-    """A module's folder: native's sub-packages each one, the root's modules one."""
+    """A module's folder: native's sub-packages each one, the root's modules one, the package's face (its
+    __init__: `import specq`) one above them all."""
+    if module == "specq":
+        return "face"
     parts = module.split(".")[1:]
     if parts[:1] == ["native"] and len(parts) > 1 and (ROOT / "native" / parts[1]).is_dir():
         return f"native/{parts[1]}"
