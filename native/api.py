@@ -7,8 +7,9 @@ A `Pair` is a loaded target (and draft, where one is given) on this machine: `ge
 target's own whatever drafts; sampled output follows the target's distribution.
 
 Threads: llama.cpp computes on an OpenMP thread team that belongs to the thread that loaded the models (driven
-from another thread it decodes slower: docs/benchmarks.md, "The engine driven from another thread"). A Pair therefore computes only on the thread that
-loaded it: a call from another thread raises `specq.WrongThreadError`, naming both threads.
+from another thread it decodes slower: docs/benchmarks.md, "The engine driven from another thread"). A Pair
+therefore computes only on the thread that loaded it: a call from another thread raises `specq.WrongThreadError`,
+naming both threads.
 """
 
 from __future__ import annotations

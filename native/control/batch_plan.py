@@ -13,7 +13,7 @@ whole batch:
 where Eᵢ is sequence i's E(k) (expected.py), d(m) one draft decode of m rows, and the first draft decode reads every
 drafting sequence's catch-up (what its last step emitted) while the j-th (j ≥ 2) reads one row of each of the mⱼ
 sequences drafting a j-th token. After a plain stretch the first draft decode reads every token since, for every
-sequence (four sequences 130 tokens behind each: 2.5 s of the demo draft on 2 CPU cores, 60 plain steps): that
+sequence (four sequences a hundred tokens behind each cost the demo draft as much as tens of plain steps): that
 one-time extra is charged to the choice spread over SWITCH_STEPS steps, so the batch goes back to drafting only
 where drafting pays the catch-up back within them. V and d are the batch's own measurements (costs.TargetCosts keyed
 by rows), at the batch's mean context. Where a verify is cheap in its rows (a GPU) c stays at the sequences' own

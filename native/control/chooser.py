@@ -69,7 +69,8 @@ class DrafterChooser:
         """A generation starts (LengthController.new_answer), for every drafter; a drafter with a memory reads the
         prompt in its prefill, so none is behind. What a memoryless drafter (n-gram lookup) accepted at position 1
         was the last prompt's to copy from: weakened, or one answer's misses keep it out of the next one, where
-        the model's runs (long in free text) hold it off (issue 50: auto 0.87× n-grams alone on copy-edits)."""
+        the model's runs (long in free text) hold it off (docs/benchmarks.md, "Copy-edit prompts: auto beside a
+        useless and a good draft")."""
         for name, c in self.per.items():
             c.new_answer(copies=name in self.memoryless)
         self.behind = dict.fromkeys(self.behind, 0)
@@ -114,7 +115,7 @@ class DrafterChooser:
         """Seconds a token: the catch-up a drafter with a memory of the text owes on what others emitted since it
         last drafted, spread over the tokens it is expected to emit before it falls behind again (its runs' mean
         length, at most the tokens still to come). A catch-up is a prefill of the draft (after a long n-gram copy
-        114 tokens cost the demo draft 0.35 s, 14 plain tokens): in copied text, where the model drafts a step at
+        it costs as much as several plain tokens): in copied text, where the model drafts a step at
         each edit before n-grams take over again, it rarely pays; in free text, where the model runs on, it does."""
         if name in self.memoryless or self.behind[name] == 0:
             return 0.0

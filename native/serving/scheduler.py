@@ -3,19 +3,19 @@ Session each), stepped together (runtime/step.py: one target decode verifies eve
 server with one sequence is this loop with N = 1.
 
 It runs on the thread that loaded the models (the server's main thread): llama.cpp's CPU backend computes with GNU
-OpenMP, whose thread team belongs to the thread that first used it, and driven from any other thread every decode
-runs slower (docs/benchmarks.md, "The engine driven from another thread"). Between two steps the loop ends the generations whose clients left,
-gives waiting requests the idle sequences (each the one whose cached tokens share the longest prefix with its
-prompt, as llama-server's slot-prompt similarity), evaluates up to one chunk of joining prompts, then steps every
-running generation once and sends each its text. A request that ends (end of generation, its token limit, a stop
+OpenMP, whose thread team belongs to the thread that first used it, and driven from any other thread every decode runs
+slower (docs/benchmarks.md, "The engine driven from another thread"). Between two steps the loop ends the generations
+whose clients left, gives waiting requests the idle sequences (each the one whose cached tokens share the longest prefix
+with its prompt, as llama-server's slot-prompt similarity), evaluates up to one chunk of joining prompts, then steps
+every running generation once and sends each its text. A request that ends (end of generation, its token limit, a stop
 string, a full context, a client gone) leaves at once; a stop string rolls back its own sequence only.
 
 Each request's prompt replaces its sequence's history; the prefill keeps the cached prefix the sequence's memories
 share with it (system prompt, earlier turns) and evaluates only the rest.
 
 PREFILL_CHUNK: while other generations run, joining prompts are evaluated up to PREFILL_CHUNK tokens between two
-steps, so a long prompt delays the running sequences' next token by one chunk's prefill (256 tokens: ~0.1-0.3 s for
-the demo pair on 2 CPU cores), not by the whole prompt; a prompt up to one chunk beyond its cached prefix joins in
+steps, so a long prompt delays the running sequences' next token by one chunk's prefill (docs/benchmarks.md, "serve
+--parallel on an AMX Xeon"), not by the whole prompt; a prompt up to one chunk beyond its cached prefix joins in
 one go, and several short ones that fit one chunk together join before the same step, evaluated in one decode
 (eight clients arriving at once all get their first token from one step, not the eighth after seven). With nothing
 running, the first joining prompt is evaluated whole (its prefill timings price the first steps).
