@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -172,6 +173,10 @@ def test_a_long_prompt_joins_in_chunks_and_every_answer_stays_exact(server):
     chunks0 = server.metrics()["specq:prefill_chunks_total"]
     with ThreadPoolExecutor(4) as pool:
         others = [pool.submit(lambda i=i: stream_text(client(server.url), PROMPTS[i], 60)) for i in range(3)]
+        for _ in range(200):  # the long prompt joins running generations (alone it is evaluated whole)
+            if server.metrics()["specq:slots_busy"] >= 1:
+                break
+            time.sleep(0.05)
         joined = pool.submit(lambda: stream_text(client(server.url), long_prompt, 30, **fresh))
         assert all(as_alone(f.result(), w) for f, w in zip(others, want))
         assert as_alone(joined.result(), want_long)
