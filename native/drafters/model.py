@@ -102,7 +102,8 @@ class ModelDrafter(Drafter):
         t_loop = clock()
         drafts, dists = pick_loop(lambda: dft.ctx.logits(1)[0], lambda tok, i: dft.extend([tok], logits="last"),
                                   n_max, s.p_min, samp, self.session.engine.target.n_vocab, clock)
-        return proposal_with_costs(drafts, dists, catchup, t_start, t_start if catchup <= CATCHUP_SHORT else None, t_loop, clock())
+        return proposal_with_costs(drafts, dists, catchup, t_start, t_start if catchup <= CATCHUP_SHORT else None,
+                                   t_loop, clock())
 
     @classmethod
     def propose_batch(cls, asks: list[tuple[ModelDrafter, int, GenerationSettings, Sampling]]) -> list[Proposal]:
@@ -144,8 +145,9 @@ class ModelDrafter(Drafter):
             extend_many([(asks[i][0].memory, drafts[i][-1:], "last") for i in more])
             active = more
         t_end = clock()
-        return [proposal_with_costs(drafts[i], dists[i], catchup[i], t_start, t_start if catchup[i] <= CATCHUP_SHORT else None,
-                      t_loop, t_end) for i in range(len(asks))]
+        return [proposal_with_costs(drafts[i], dists[i], catchup[i], t_start,
+                                    t_start if catchup[i] <= CATCHUP_SHORT else None,
+                                    t_loop, t_end) for i in range(len(asks))]
 
     def fit(self, n_tokens: int) -> None:
         """Move the window on, if there is one, so that it can hold the history's first n_tokens tokens: it
