@@ -110,6 +110,7 @@ def run_set(eng: Engine, set_name: str, modes: list[str], a) -> dict:
             "median_tokens_per_s": med, "vs_target_alone": {m: med[m] / med["baseline"] for m in singles + ["auto"]},
             "best_single": best, "auto_vs_best_single": med["auto"] / med[best],
             "auto_drafted_by": auto_by, "auto_plain_steps": sum(r["n_plain_steps"] for r in auto_rows),
+            "auto_handovers": sum(r["n_handovers"] for r in auto_rows),
             "identical_output_greedy": identical, "runs": runs}
 
 

@@ -26,7 +26,7 @@ TESTS = ["tests/test_exactness.py", "tests/test_rejection.py", "tests/test_engin
          "tests/test_tinyqwen35.py", "tests/test_hybrid.py", "tests/test_swa.py", "tests/test_mtp.py",
          "tests/test_counts.py", "tests/test_parallel.py", "tests/test_logprobs.py",
          "tests/test_batch_plan.py", "tests/test_constrained.py", "tests/test_serve_tools_e2e.py",
-         "tests/test_drafter_interface.py"]
+         "tests/test_drafter_interface.py", "tests/test_auto_drafter.py"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,9 @@ MUTANTS = [
                                  "engine provides (Drafter.shared)",
            (("native/drafters/base.py", "        return self.session.engine.provided.get(self.name)\n",
              "        return type(self).provide(self.session.engine)\n"),)),
+    Mutant("handover-ignored", "--drafter auto: the draft model drafts on past the point where an n-gram would "
+                               "copy (Session.until ignored)",
+           (("native/drafters/model.py", "clock, self.session.until)", "clock, None)"),)),
     Mutant("named-choice-repeats", "a named tool_choice lets the call grammar repeat (parallel_tool_calls' default "
                                    "kept): the answer may hold several calls",
            (("native/serving/tools.py", 'parallel is not False and kind != "function")', "parallel is not False)"),)),

@@ -9,7 +9,9 @@ from specq.native.control.chooser import DrafterChooser
 from specq.native.control.length import LengthController
 from specq.native.control.step import StepOutcome
 from specq.native.runtime.engine import Engine, SimulatedClock
+from specq.native.core.sampling import Sampling
 from specq.native.core.settings import GenerationSettings
+from specq.native.drafters.base import pick_loop
 from test_adaptive import cpu_like_costs
 
 
@@ -20,7 +22,7 @@ def simulate(alphas: dict[str, float], draft_ms: dict[str, float], verify_ms, st
     c = DrafterChooser(16, {n: 0.1 for n in alphas}, memoryless={"ngram"})
     chosen: dict = {}
     for i in range(steps):
-        name, k = c.choose({n: 16 for n in alphas})
+        name, k = c.choose({n: 16 for n in alphas})[:2]
         a = 0
         if name is not None:
             while a < k and rng.random() < alphas[name]:
@@ -169,7 +171,7 @@ def test_a_drafter_that_lost_early_is_tried_again_when_the_text_changes():
         c = DrafterChooser(16, {"ngram": 0.01, "model": 0.3}, model="model", memoryless={"ngram"})
         late = {}
         for i in range(500):
-            name, k = c.choose({"ngram": 8, "model": 16})
+            name, k = c.choose({"ngram": 8, "model": 16})[:2]
             alpha = {"model": 0.9, "ngram": 0.0 if i < 100 else 0.95}.get(name, 0.0)
             a = 0
             while a < k and rng.random() < alpha:
@@ -243,7 +245,7 @@ def test_auto_spaces_its_probes_on_thin_evidence_when_they_cost():
     # the drafter's measured probe cost, a few.
     c = DrafterChooser(8, {"model": 0.4}, model="model")
     for _ in range(60):
-        name, k = c.choose({"model": 8})
+        name, k = c.choose({"model": 8})[:2]
         c.observe(StepOutcome(k, 0, 0.008 if k > 1 else None, (20.0 if k == 0 else 26.0 + k) / 1e3, 0.0,
                               0.008 * k if k else None, 0.008 if k else None, drafter=name))
     assert 0 < c.n_probes <= 4 and c.n_plain_steps >= 50
@@ -290,3 +292,57 @@ def test_the_draft_models_read_of_the_prompt_prices_its_catch_up(tiny_target, ti
         assert model.catchup_s() == pytest.approx(seconds / n)
         assert seconds / n == pytest.approx((3.0 + 0.3 * (n - 1)) / 1e3 / n)  # one decode of the n tokens
         it.close()
+
+
+
+def test_the_model_is_told_to_hand_over_only_to_ngrams_that_copy_well():
+    """At a step the model drafts, the chooser says where to stop: once an n-gram would propose enough tokens to
+    beat the model's pace (Handover.least); n-grams that copied well need few, n-grams that never copied none."""
+    def chooser(ngram_accepts: int) -> DrafterChooser:
+        c = DrafterChooser(16, {"model": 0.2, "ngram": 0.01}, model="model", memoryless={"ngram"})
+        c.calibrate(200, 0.025, 0.009)
+        for _ in range(8):
+            c.observe(StepOutcome(15, ngram_accepts, None, 0.056, 0.0, draft_s=0.0001, drafter="ngram"))
+            c.observe(StepOutcome(8, 8, 0.009, 0.043, 0.0, draft_s=0.072, first_token_s=0.009, drafter="model"))
+        c.at(300, 100)
+        return c
+
+    good = chooser(15).choose({"model": 16, "ngram": 0})
+    assert good.drafter == "model" and good.handover is not None and good.handover.to == "ngram"
+    assert 1 <= good.handover.least <= 4, good
+    useless = chooser(0).choose({"model": 16, "ngram": 0})
+    assert useless.drafter == "model" and useless.handover is None, useless
+    # n-grams chosen: nothing to hand over to
+    assert chooser(15).choose({"model": 16, "ngram": 15}).handover is None
+
+
+def test_the_pick_loop_stops_where_until_holds_for_the_drafts_so_far():
+    rows = iter(np.eye(8)[[3, 4, 5, 6, 7, 1]] * 10)
+    fed = []
+    drafts, _ = pick_loop(lambda: next(rows), lambda tok, i: fed.append(tok), 6, 0.0, Sampling(GenerationSettings(), True), 8,
+                          lambda: 0.0, until=lambda d: d[-1] == 5)
+    assert drafts == [3, 4, 5] and fed == [3, 4]  # stopped after the draft it held for, without feeding it
+
+
+@pytest.mark.slow
+def test_a_draft_models_step_hands_over_to_the_copy_on_the_demo_pair():
+    """Copy-editing on the demo pair under --drafter auto (a simulated clock: the choices do not depend on the
+    machine): the model's drafts stop where the copy resumes, the n-gram copies from there, and the output is the
+    target's."""
+    from specq.native.commands.demo import demo_pair
+
+    def cost(name: str, n: int, pos0: int = 0) -> float:  # as measured on a 2-core Xeon
+        return (6.0 + 3.0 * n if name == "draft" else 25.0 if n == 1 else 29.0 + 1.8 * n) / 1e3
+
+    code = ("def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs)\n\n"
+            "def spread(xs):\n    lo = min(xs)\n    hi = max(xs)\n    return hi - lo\n")
+    target, draft = demo_pair()
+    prompt = f"Rename the variable `total` to `acc` and print the whole code back:\n\n{code}\nThe code:\n"
+    with Engine(target, None, ctx=1024, threads=2) as e:
+        toks = e.tokenize(prompt)
+        base = e.session().generate(toks, GenerationSettings(n_predict=96), speculative=False).run()
+    with Engine(target, draft, ctx=1024, threads=2, clock=SimulatedClock(cost)) as e:
+        g = e.session().generate(toks, GenerationSettings(n_predict=96, drafter="auto")).run()
+    by, acc = dict(g.stats.n_drafted_by), dict(g.stats.n_accepted_by)
+    assert g.tokens == base.tokens and len(set(base.tokens)) > 20
+    assert g.stats.n_handovers > 0 and acc.get("model", 0) > 0 and acc.get("ngram", 0) > 0, (g.stats.n_handovers, by)

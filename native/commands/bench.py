@@ -135,6 +135,7 @@ def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, setti
         "verify_ms": st.verify_ms if spec else None,
         "n_plain_steps": st.n_plain_steps if spec else None,  # draft_max=auto: steps it chose not to draft
         "n_probes": st.n_probes if spec else None,
+        "n_handovers": st.n_handovers if spec else None,  # --drafter auto: model steps handed to an n-gram match
         "steps_by_k": {k: n for k, n in st.steps_by_k} if spec else None,  # cost-model inputs (native/control/report.py)
         "tried_per_pos": list(st.tried_per_pos) if spec else None,
         "verify_ms_by_size": {b: [n, ms] for b, n, ms in st.verify_ms_by_size} if spec else None,

@@ -7,7 +7,7 @@ from typing import Collection
 
 from .explore import ProbeSchedule, doubled
 from .length import LengthController, AdaptiveSnapshot
-from .step import Choice, StepOutcome
+from .step import Choice, Handover, StepOutcome
 
 RUN_EMA = 0.3  # the weight of a drafter's latest run of steps in its runs' mean length (DrafterChooser._owed)
 
@@ -50,6 +50,7 @@ class DrafterChooser:
         self.n_steps = 0
         self.n_chosen = {name: 0 for name in self.per}
         self.n_charged = 0  # steps chosen with a drafter's catch-up charged to the others (see choose)
+        self.n_handovers_offered = 0  # steps whose drafter was told where to hand over (see _handover)
 
     def at(self, n_ctx: int, remaining: int | None = None) -> None:
         """The next steps run at a context of n_ctx tokens (LengthController.at, for every drafter)."""
@@ -174,7 +175,25 @@ class DrafterChooser:
             self.n_probes += 1
             self.exploring = (other, pace_s)
             return Choice(self._use(other), max(k, min(self.probe_k, lim)))
-        return Choice(self._use(best), best_k)
+        return Choice(self._use(best), best_k, self._handover(best, pace_s, limits))
+
+    def _handover(self, best: str, pace_s: float, limits: dict[str, int]) -> Handover | None:
+        """Where a drafter with a memory (a draft model) should stop drafting this step: once a memoryless drafter
+        (n-gram lookup) would propose enough tokens after its drafts to beat its pace (the fewest such, priced
+        with the model's catch-up as choose prices it then). In copy-edited text the model is chosen at an edit,
+        where no n-gram matches, and a lookup matches again a token or two later: drafting on through the copied
+        stretch at its own pace loses to the lookup's long, nearly free copies."""
+        if best in self.memoryless:
+            return None
+        charge = self.per[best].catchup_s()
+        for name in sorted(self.memoryless & self.per.keys()):
+            if name in limits:
+                for least in range(1, self.cap + 1):
+                    k, rate = self._best(name, least, charge)
+                    if k > 0 and rate * pace_s > 1.0:
+                        self.n_handovers_offered += 1
+                        return Handover(name, least)
+        return None
 
     def _plain_or_probe(self, limits: dict[str, int]) -> Choice:
         """Plain decoding wins this step: a probe of a drafter whose turn it is, else plain decoding.

@@ -44,9 +44,19 @@ class StepOutcome:
         return (self.draft_s or 0.0) + self.verify_s + self.overhead_s
 
 
+class Handover(NamedTuple):
+    """Stop a drafter with a memory (a draft model) drafting once `to`, a drafter that drafts only on a match
+    (n-gram lookup), would propose at least `least` tokens after its drafts so far: from there `to` is expected
+    to emit faster (Drafter.lookahead)."""
+
+    to: str
+    least: int
+
+
 class Choice(NamedTuple):
-    """The drafter chooser's answer: which drafter drafts the next step (None: plain decoding) and at most how
-    many tokens."""
+    """The drafter chooser's answer: which drafter drafts the next step (None: plain decoding), at most how
+    many tokens, and where it hands over to another drafter (None: nowhere)."""
 
     drafter: str | None
     k: int
+    handover: Handover | None = None

@@ -63,6 +63,7 @@ class GenerationStats(Rates):
     sample_ms: float = 0.0  # rejection mode: time in the sampling transform and acceptance (both models)
     n_plain_steps: int = 0  # draft_max=auto: steps that chose not to draft (probes excluded)
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning
+    n_handovers: int = 0  # --drafter auto: draft-model steps stopped where an n-gram would propose (Session.until)
     n_rollbacks: int = 0  # recurrent/hybrid tails dropped through state snapshots (no checkpoint restore)
     n_draft_slides: int = 0  # times the draft's window moved on (a --ctx-draft smaller than --ctx)
     draft_window: int | None = None  # the recent tokens the draft sees at the end (None: the whole context)
@@ -114,6 +115,7 @@ class RunningCounts:
     drafter_counts_at_start: dict = field(default_factory=dict)  # the drafters' counters when it began (Drafter.counts)
     plain_steps_at_start: int = 0  # the controller's counters when this generation began (it outlives generations)
     probes_at_start: int = 0
+    n_handovers: int = 0  # --drafter auto: draft-model steps stopped where an n-gram would propose (Session.until)
     drafted_by: dict = field(default_factory=dict)
     accepted_by: dict = field(default_factory=dict)
     steps_by_k: dict = field(default_factory=dict)

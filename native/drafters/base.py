@@ -28,7 +28,8 @@ A drafter's life in a session, each hook a no-op by default:
   and compares its greedy choices with the target's (`PromptRead`);
 - `wants_prompt_rows(n_new)`, `prompt_compared(ctrl, overhead)`: it asks for the comparison for its own sake and
   may act on it (the draft model's window trial);
-- `propose` / `propose_batch`: each step; `rewind`: after a verify, a rollback or a new prompt; `stepped()`: after
+- `propose` / `propose_batch`: each step (a drafter that drafts token by token stops once `session.until` holds
+  for its drafts: --drafter auto hands the step over to an n-gram match there, `lookahead`); `rewind`: after a verify, a rollback or a new prompt; `stepped()`: after
   each step;
 - `ended(prompt, output, interrupted)`: the generation ended, whoever drafted;
 - `counts()`: its counters for the generation stats; `clear()`: a reset session.
@@ -163,6 +164,11 @@ class Drafter:
         """The most it could propose now, at most n_max (--drafter auto weighs drafters by it)."""
         return n_max
 
+    def lookahead(self, drafts: list[int], n: int, s: GenerationSettings) -> int:
+        """How many tokens (at most n) it would propose were the history followed by `drafts` (--drafter auto hands
+        a draft model's step over to it there: Session.until). 0 by default: it does not say."""
+        return 0
+
     def attach(self, on: bool) -> None:
         """A generation begins that may (on) or may not draft with it: start or stop work it does meanwhile."""
 
@@ -234,10 +240,12 @@ def pick(row: np.ndarray, p_min: float, samp: Sampling, n_vocab_tgt: int,
 
 
 def pick_loop(row: Callable[[], np.ndarray], advance: Callable[[int, int], None], n_max: int, p_min: float,
-              samp: Sampling, n_vocab_tgt: int, clock: Callable[[], float]) -> tuple[list[int], list[SparseDist]]:
+              samp: Sampling, n_vocab_tgt: int, clock: Callable[[], float],
+              until: Callable[[list[int]], bool] | None = None) -> tuple[list[int], list[SparseDist]]:
     """Draft from a model-like drafter: pick from `row()` (the logits after the last token fed; masked where a
-    constraint applies), then `advance(token, i)` feeds drafted token i (from 1), until pick stops or n_max tokens
-    are drafted."""
+    constraint applies), then `advance(token, i)` feeds drafted token i (from 1), until pick stops, n_max tokens
+    are drafted or `until(drafts)` holds. The stops depend only on tokens already drafted, never on one drawn and
+    then dropped, so a sampled draft keeps its law (the verify's q)."""
     drafts: list[int] = []
     dists: list[SparseDist] = []
     while True:
@@ -247,7 +255,7 @@ def pick_loop(row: Callable[[], np.ndarray], advance: Callable[[int, int], None]
         drafts.append(got[0])
         if got[1] is not None:
             dists.append(got[1])
-        if len(drafts) >= n_max:
+        if len(drafts) >= n_max or until is not None and until(drafts):
             break
         advance(got[0], len(drafts))
     return drafts, dists

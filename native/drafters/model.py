@@ -101,7 +101,7 @@ class ModelDrafter(Drafter):
         dft.save_checkpoint()
         t_loop = clock()
         drafts, dists = pick_loop(lambda: dft.ctx.logits(1)[0], lambda tok, i: dft.extend([tok], logits="last"),
-                                  n_max, s.p_min, samp, self.session.engine.target.n_vocab, clock)
+                                  n_max, s.p_min, samp, self.session.engine.target.n_vocab, clock, self.session.until)
         return proposal_with_costs(drafts, dists, catchup, t_start, t_start if catchup <= CATCHUP_SHORT else None,
                                    t_loop, clock())
 
@@ -140,7 +140,8 @@ class ModelDrafter(Drafter):
                     drafts[i].append(got[0])
                     if got[1] is not None:
                         dists[i].append(got[1])
-                    if len(drafts[i]) < n_max:
+                    until = d.session.until
+                    if len(drafts[i]) < n_max and (until is None or not until(drafts[i])):
                         more.append(i)
             extend_many([(asks[i][0].memory, drafts[i][-1:], "last") for i in more])
             active = more

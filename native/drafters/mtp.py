@@ -138,7 +138,7 @@ class MtpDrafter(Drafter):
         t_loop = clock()
         try:
             drafts, dists = pick_loop(self.ctx.logits, self.advance, n_max, s.p_min, samp,
-                                      ses.engine.target.n_vocab, clock)
+                                      ses.engine.target.n_vocab, clock, ses.until)
         finally:
             self.end()
         return proposal_with_costs(drafts, dists, catchup, t_catchup, t_first, t_loop, clock())

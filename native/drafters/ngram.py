@@ -96,9 +96,9 @@ class NgramIndex:
                 return tok
         return None
 
-    def propose(self, n_min: int, k: int) -> list[int]:
-        """Up to k tokens to follow the text."""
-        ending = list(self.text[-self.n_max:])
+    def propose(self, n_min: int, k: int, after: Sequence[int] = ()) -> list[int]:
+        """Up to k tokens to follow the text (followed by `after`, which is not counted)."""
+        ending = (self.text[-self.n_max:] + list(after))[-self.n_max:]
         out: list[int] = []
         while len(out) < k:
             tok = self.next_token(ending, n_min)
@@ -151,6 +151,11 @@ class NgramDrafter(Drafter):
     def limit(self, n_max: int, s: GenerationSettings) -> int:
         """A proposal exists only on a match, and is as long as what followed it."""
         return len(self._propose(n_max, s))
+
+    def lookahead(self, drafts: list[int], n: int, s: GenerationSettings) -> int:
+        """What it would propose (at most n tokens) after the history and `drafts`, from the index of the history
+        (synced by this step's limit()): drafts extend the ending looked up, as its own proposals do."""
+        return len(self.index.propose(s.ngram_min, n, drafts)) if self.index is not None and n > 0 else 0
 
     def clear(self) -> None:
         self.index, self._cached = None, None

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import codecs
-from typing import Iterator, TYPE_CHECKING
+from typing import Callable, Iterator, TYPE_CHECKING
 
 from ..control.chooser import DrafterChooser
 from ..control.length import LengthController
-from ..control.step import StepOutcome
+from ..control.step import Handover, StepOutcome
 from ..core.accept import accepted_per_position
 from ..core.constraint import Guide
 from ..core.sampling import Sampling
@@ -57,6 +57,22 @@ def drafter_counts(ses: Session) -> dict[str, int]:
     return out
 
 
+def handover_rule(ses: Session, s: GenerationSettings, p: RunningCounts,
+                  handover: Handover | None) -> Callable[[list[int]], bool] | None:
+    """A step's stop rule for a drafter's drafts (Session.until): hand over where `handover.to` would propose
+    enough (DrafterChooser._handover); counted in n_handovers."""
+    if handover is None:
+        return None
+    to = ses.drafters[handover.to]
+
+    def until(drafts: list[int]) -> bool:
+        if to.lookahead(drafts, handover.least, s) < handover.least:
+            return False
+        p.n_handovers += 1
+        return True
+    return until
+
+
 def make_stats(g: Generation, stop: str, gen_s: float) -> GenerationStats:
     """A generation's stats as they stand (its counters since start)."""
     p, s, ctrl, samp = g._p, g.settings, g.controller, g._samp
@@ -78,7 +94,7 @@ def make_stats(g: Generation, stop: str, gen_s: float) -> GenerationStats:
             "greedy" if s.temp <= 0 else "sample"),
         sample_ms=samp.sample_s * 1e3 if samp else 0.0,
         n_plain_steps=ctrl.n_plain_steps - p.plain_steps_at_start if ctrl else 0,
-        n_probes=ctrl.n_probes - p.probes_at_start if ctrl else 0,
+        n_probes=ctrl.n_probes - p.probes_at_start if ctrl else 0, n_handovers=p.n_handovers,
         steps_by_k=tuple(sorted(p.steps_by_k.items())), tried_per_pos=tuple(p.tried),
         verify_ms_by_size=tuple((b, n, ms * 1e3) for b, (n, ms) in sorted(p.verify_by_size.items())),
         draft_next_ms=p.draft_next_s * 1e3, n_draft_next=p.n_draft_next,
@@ -181,6 +197,7 @@ class Generation:
             self._stop = done or self._stop
             return None
         self._t_step = self._clock()
+        self.session.until = None
         self._first = self._p.n_steps == 0 and self.speculative
         # the first token comes from the target's prefill alone (a plain step): drafting waits for it
         n_draft_max, drafters = (0, ()) if self._first else self._choose_draft(remaining)
@@ -311,8 +328,9 @@ class Generation:
             return n_draft_max, None
         ctrl.at(len(ses.history), remaining)
         if isinstance(ctrl, DrafterChooser):
-            name, n_draft_max = ctrl.choose(ses.auto_limits(s, max(n_draft_max, 0)))
-            return n_draft_max, (name,) if name else ()
+            choice = ctrl.choose(ses.auto_limits(s, max(n_draft_max, 0)))
+            ses.until = handover_rule(ses, s, self._p, choice.handover)
+            return choice.k, (choice.drafter,) if choice.drafter else ()
         return ctrl.choose(n_draft_max), None
 
     def _observe(self, step: StepResult, t_step: float) -> None:

@@ -39,6 +39,9 @@ class Session:
         # the last prefill's longest read of the prompt by the reader: (context, tokens, seconds), a catch-up's cost
         self.read_timing: tuple[int, int, float] | None = None
         self._pending = None  # prefill_target's work for prefill_reader
+        # this step's stop rule for a drafter drafting token by token (None: none): it stops once it holds for the
+        # drafts so far (--drafter auto hands the step over to an n-gram match: generation.handover_rule)
+        self.until: Callable[[list[int]], bool] | None = None
         self.reset()
 
     def reset(self) -> None:
