@@ -75,6 +75,8 @@ def run_set(eng: Engine, set_name: str, modes: list[str], a) -> dict:
     toks = prompt_tokens(eng, cfg)
     draft_max = a.draft_max if a.draft_max == "auto" else int(a.draft_max)
     sessions = {m: eng.session() for m in modes}
+    if "suffix" in eng.provided:  # prompts stand alone here: no run drafts from another's answer (as bench)
+        eng.provided["suffix"].learning = False
     runs = []
     for rep in range(a.repeat):
         order = modes[rep % len(modes):] + modes[:rep % len(modes)]  # alternate which mode runs first

@@ -26,7 +26,7 @@ TESTS = ["tests/test_exactness.py", "tests/test_rejection.py", "tests/test_engin
          "tests/test_tinyqwen35.py", "tests/test_hybrid.py", "tests/test_swa.py", "tests/test_mtp.py",
          "tests/test_counts.py", "tests/test_parallel.py", "tests/test_logprobs.py",
          "tests/test_batch_plan.py", "tests/test_constrained.py", "tests/test_serve_tools_e2e.py",
-         "tests/test_drafter_interface.py", "tests/test_auto_drafter.py"]
+         "tests/test_drafter_interface.py", "tests/test_auto_drafter.py", "tests/test_suffix.py"]
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,12 @@ MUTANTS = [
     Mutant("handover-ignored", "--drafter auto: the draft model drafts on past the point where an n-gram would "
                                "copy (Session.until ignored)",
            (("native/drafters/model.py", "clock, self.session.until)", "clock, None)"),)),
+    Mutant("suffix-keeps-interrupted", "--drafter suffix: an interrupted generation's partial output enters the "
+                                       "store",
+           (("native/drafters/suffix.py", "if self.on and not interrupted and output", "if self.on and output"),)),
+    Mutant("suffix-rarest-continuation", "--drafter suffix: the path follows the least frequent continuation",
+           (("native/drafters/suffix.py", "tok = max(counts, key=counts.__getitem__)",
+             "tok = min(counts, key=counts.__getitem__)"),)),
     Mutant("named-choice-repeats", "a named tool_choice lets the call grammar repeat (parallel_tool_calls' default "
                                    "kept): the answer may hold several calls",
            (("native/serving/tools.py", 'parallel is not False and kind != "function")', "parallel is not False)"),)),

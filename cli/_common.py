@@ -128,8 +128,9 @@ FlashAttnOpt = Annotated[str, typer.Option("--flash-attn", help="Attention path:
                                                                "on the CPU, where it decodes faster at long "
                                                                "context; llama.cpp's choice on a GPU).")]
 DrafterOpt = Annotated[str, typer.Option("--drafter", help="Who proposes tokens: model (the draft model), ngram "
-                                                          "(lookup in the text so far, no model), mtp (the target's "
-                                                          "own MTP head), a comma list such as model,ngram (the "
+                                                          "(lookup in the text so far, no model), suffix (what "
+                                                          "followed in earlier answers or this text), mtp (the "
+                                                          "target's own MTP head), a comma list such as model,ngram (the "
                                                           "n-gram's proposal where the text repeats, else the "
                                                           "model's), or auto (chosen each step from what was "
                                                           "measured, plain decoding included).")]
@@ -139,6 +140,14 @@ DraftDeviceOpt = Annotated[Optional[str], typer.Option("--draft-device", help="g
 RpcOpt = Annotated[Optional[str], typer.Option("--rpc", help="RPC servers HOST:PORT[,HOST:PORT...] (`specq rpc-server` "
                                                             "on each): the target spreads over their devices (RPC0, "
                                                             "RPC1, ...) and the local GPUs; the draft stays local.")]
+SuffixCacheOpt = Annotated[Optional[Path], typer.Option("--suffix-cache", help="File the suffix drafter's store of "
+                                                        "earlier answers is read from at start and written back "
+                                                        "to (atomically, owner-only) every few minutes and at exit "
+                                                        "(default: the store lives as long as the process).")]
+SuffixScopeOpt = Annotated[str, typer.Option("--suffix-scope", help="server: one store of earlier answers for every "
+                                                                 "sequence and request; request: none, each request "
+                                                                 "drafts from its own text alone (a server shared "
+                                                                 "between users).")]
 
 
 # -- the one group: each shared flag's annotation and default, stated here alone ----------------------------
@@ -159,12 +168,13 @@ SHARED_FLAGS: dict[str, tuple] = {
     "vram_budget": (VramBudgetOpt, None), "main_gpu": (MainGpuOpt, _ENG.main_gpu),
     "tensor_split": (TensorSplitOpt, None), "device": (DeviceOpt, None), "draft_device": (DraftDeviceOpt, None),
     "rpc": (RpcOpt, None), "cpu_amx": (CpuAmxOpt, _ENG.cpu_amx), "flash_attn": (FlashAttnOpt, _ENG.flash_attn),
+    "suffix_cache": (SuffixCacheOpt, _ENG.suffix_cache), "suffix_scope": (SuffixScopeOpt, _ENG.suffix_scope),
 }
 GENERATION_FLAGS = ("draft_max", "draft_min", "p_min", "temp", "top_k", "top_p", "min_p", "seed", "accept",
                     "drafter", "ngram_min", "ngram_max")
 PLACEMENT_FLAGS = ("threads", "ngl", "ngl_draft", "vram_budget", "main_gpu", "tensor_split", "device",
                    "draft_device", "rpc", "cpu_amx", "flash_attn")
-ENGINE_FLAGS = ("ctx", "ctx_draft", "threads_draft") + PLACEMENT_FLAGS
+ENGINE_FLAGS = ("ctx", "ctx_draft", "threads_draft") + PLACEMENT_FLAGS + ("suffix_cache", "suffix_scope")
 
 
 class Flags:
@@ -298,6 +308,10 @@ def engine_config(target: Path, draft: Path | None, settings: GenerationSettings
     from ..native.drafters.registry import engine_options
 
     f = flags
+    if f.suffix_scope not in ("server", "request"):
+        raise UsageError(f"--suffix-scope must be server or request ({f.suffix_scope})")
+    if f.suffix_cache is not None and not Path(f.suffix_cache).parent.is_dir():
+        raise UsageError(f"--suffix-cache: folder not found ({Path(f.suffix_cache).parent}); create it first")
     tgt, dft = str(target), str(draft) if draft else None
     p = resolve_placement(tgt, dft, ctx=ctx, ngl=f.ngl, ngl_draft=f.ngl_draft, vram_budget=f.vram_budget,
                           main_gpu=f.main_gpu, tensor_split=f.tensor_split, device=f.device,
@@ -308,7 +322,8 @@ def engine_config(target: Path, draft: Path | None, settings: GenerationSettings
                         devices=p.devices, draft_devices=p.draft_devices, draft_ctx=parse_ctx_draft(f.ctx_draft),
                         draft_threads=f.threads_draft, cpu_amx=p.cpu_amx, flash_attn=p.flash_attn,
                         draft_flash_attn=p.draft_flash_attn, parallel=parallel,
-                        **engine_options(settings.drafters))
+                        suffix_cache=None if f.suffix_cache is None else str(f.suffix_cache),
+                        suffix_scope=f.suffix_scope, **engine_options(settings.drafters))
 
 
 def settings_from_flags(suggested: dict, flags: Flags, *, n_predict: int | None, **own) -> GenerationSettings:

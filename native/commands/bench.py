@@ -136,6 +136,9 @@ def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, setti
         "n_plain_steps": st.n_plain_steps if spec else None,  # draft_max=auto: steps it chose not to draft
         "n_probes": st.n_probes if spec else None,
         "n_handovers": st.n_handovers if spec else None,  # --drafter auto: model steps handed to an n-gram match
+        # --drafter suffix: proposed and accepted from earlier answers (the store) and from the request's own text
+        **{k: getattr(st, k) if spec else None
+           for k in ("n_drafted_store", "n_accepted_store", "n_drafted_text", "n_accepted_text")},
         "steps_by_k": {k: n for k, n in st.steps_by_k} if spec else None,  # cost-model inputs (native/control/report.py)
         "tried_per_pos": list(st.tried_per_pos) if spec else None,
         "verify_ms_by_size": {b: [n, ms] for b, n, ms in st.verify_ms_by_size} if spec else None,
@@ -313,6 +316,9 @@ def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
         plan = ([("baseline", cfg.settings)] if cfg.baseline else []) + \
             ([("speculative", s) for s in point_settings] if cfg.speculative else [])
         session = eng.session()
+        store = getattr(eng, "provided", {}).get("suffix")
+        if store is not None:  # every run drafts from the store as it was loaded: bench's own answers in it would
+            store.learning = False  # make each repeat a copy of the last
         runs = []
         for rep in range(cfg.repeat):
             for pi, toks in enumerate(prompts):

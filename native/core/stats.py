@@ -70,6 +70,12 @@ class GenerationStats(Rates):
     n_window_trials: int = 0  # --ctx-draft auto: windowed drafts timed against the whole-context one
     n_window_reverts: int = 0  # windows a trial took and the answer's rows then gave up (DraftWindow.settle)
     n_drafted_by: tuple[tuple[str, int], ...] = ()  # per drafter, by its registry name
+    # --drafter suffix: tokens it proposed from earlier answers (the engine's store) and from this request's own
+    # text, and how many of each the target accepted
+    n_drafted_store: int = 0
+    n_accepted_store: int = 0
+    n_drafted_text: int = 0
+    n_accepted_text: int = 0
     n_accepted_by: tuple[tuple[str, int], ...] = ()
     # The cost model's inputs (native/control/report.py): what each step drafted, verified and cost.
     steps_by_k: tuple[tuple[int, int], ...] = ()  # (verified draft length, steps)

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 CATCHUP_SHORT = 2  # a catch-up of at most this many tokens is part of the first drafted token's cost
 TARGET_TOKENS = "target"  # a drafter's units: the target's token ids
+AUTO = "auto"  # --drafter auto: the adaptive controller chooses among the available drafters each step
 
 
 class CatchUp(NamedTuple):

@@ -9,17 +9,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...errors import UsageError
-from .base import TARGET_TOKENS, Drafter
+from .base import AUTO, TARGET_TOKENS, Drafter
 from .model import ModelDrafter
 from .mtp import MtpDrafter
 from .ngram import NgramDrafter
+from .suffix import SuffixDrafter
 
 if TYPE_CHECKING:
     from ..runtime.engine import Engine
     from ..runtime.session import Session
 
-AUTO = "auto"  # --drafter auto: the adaptive controller chooses among the available drafters each step
-DRAFTERS: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, NgramDrafter, MtpDrafter)}
+DRAFTERS: dict[str, type[Drafter]] = {cls.name: cls for cls in (ModelDrafter, NgramDrafter, SuffixDrafter,
+                                                                  MtpDrafter)}
 
 
 def register(cls: type[Drafter]) -> None:

@@ -80,7 +80,10 @@ class EngineConfig:
     window of WINDOW_TRIAL tokens where a session measures that it pays (greedy, --draft-max auto).
     `parallel`: sequences held at once (`Engine.session(seq)` for each), `ctx` tokens each, in one cache per
     model, so that one decode can carry rows of several (runtime/batch.py), the MTP head's too; more than one
-    turns the window trials off."""
+    turns the window trials off.
+    `suffix_cache`: a file the suffix drafter's store of earlier answers is read from and written back to (None:
+    the store lives as long as the engine); `suffix_scope`: "server" (one store for every sequence and request)
+    or "request" (none: each request drafts from its own text alone)."""
 
     target: str
     draft: str | None = None
@@ -103,6 +106,8 @@ class EngineConfig:
     draft_flash_attn: str | None = None
     mtp: bool | None = False
     parallel: int = 1
+    suffix_cache: str | None = None
+    suffix_scope: str = "server"
 
     def open(self, clock: Callable[[], float] | None = None,
              factory: Callable[..., Engine] | None = None) -> Engine:

@@ -200,7 +200,7 @@ def _target_alone(body: dict) -> bool:
 
 
 def parse_drafter_field(drafter: Any, limits: Limits) -> str:
-    """`drafter`: model, ngram, mtp, a comma list or auto; "model" only where the server loaded a draft model,
+    """`drafter`: model, ngram, suffix, mtp, a comma list or auto; "model" only where the server loaded a draft model,
     "mtp" only where it loaded the target's MTP head."""
     try:
         names = parse_drafter(drafter) if isinstance(drafter, str) else None
@@ -405,6 +405,9 @@ def usage(o: Outcome) -> dict:
         if o.shared_time is not None:
             spec["shared_time"] = o.shared_time
         spec["constrained"] = st.constrained  # INTERFACES.md: a bool
+        if st.n_drafted_store or st.n_drafted_text:  # --drafter suffix: from earlier answers, from this text
+            spec.update(n_drafted_store=st.n_drafted_store, n_accepted_store=st.n_accepted_store,
+                        n_drafted_text=st.n_drafted_text, n_accepted_text=st.n_accepted_text)
         if st.constrained:  # acceptance in the steps under the constraint, and what masking cost
             n = st.n_drafted_constrained
             spec.update(n_drafted_constrained=n, n_accepted_constrained=st.n_accepted_constrained,

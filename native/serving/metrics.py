@@ -63,6 +63,11 @@ class ServerMetrics:
                                  "planner did: planned (all), plain (no drafting where some sequence wished it), "
                                  "capped (a draft shortened), probes (one token drafted to keep the estimates "
                                  "current), refused (a probe not run: over its budget).", ["kind"], registry=r)
+        self.suffix_drafted = Counter("specq:suffix_draft_tokens", "--drafter suffix: tokens it proposed, by "
+                                      "source: store (earlier answers) or text (the request's own).", ["source"],
+                                      registry=r)
+        self.suffix_accepted = Counter("specq:suffix_accepted_tokens", "--drafter suffix: its tokens accepted, by "
+                                       "source.", ["source"], registry=r)
         self._gen_tokens = 0
         self._gen_seconds = 0.0
 
@@ -103,6 +108,11 @@ class ServerMetrics:
             for pos, n in enumerate(st.accepted_per_pos):
                 if n:
                     self.accepted_per_pos.labels(position=str(pos)).inc(n)
+            for source, drafted, accepted in (("store", st.n_drafted_store, st.n_accepted_store),
+                                              ("text", st.n_drafted_text, st.n_accepted_text)):
+                if drafted:
+                    self.suffix_drafted.labels(source=source).inc(drafted)
+                    self.suffix_accepted.labels(source=source).inc(accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,374 @@
+"""Suffix decoding: propose what followed the text's ending in earlier answers (a store every sequence and request
+of an engine shares) or in this request's own text, as SuffixDecoding does (Arctic Inference; vLLM's
+`method: "suffix"`).
+
+Each index finds the occurrences of the text's longest ending (at most MAX_DEPTH tokens, at least KEY) and grows a
+path from there, each token the one that followed most often among the occurrences still on the path; the path's
+estimated probability is the product of those shares, and the path stops below MIN_TOKEN_PROB, or at
+MAX_SPEC_FACTOR times the match's length: a short, common match drafts a token or two, a long copied passage many.
+Of the two indexes, the one whose path expects more accepted tokens proposes (chosen before anything is drawn).
+
+The store holds answers only (a shared system prompt would dominate its counts), each with the last PROMPT_TAIL
+tokens of its prompt before it (so that an answer's opening can match), bounded by tokens and answers (oldest out
+first). An answer enters it when a generation that could draft with this drafter (--drafter suffix or auto) ends
+by itself: an interrupted or failed one's partial output never does, nor a target-alone reference's (bench's
+baseline, draft_max 0). A proposal is a point mass on each token (as the n-gram drafter's), so rejection
+sampling stays exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import NamedTuple, Sequence, TYPE_CHECKING
+
+import numpy as np
+
+from ...atomic import atomic_output
+from ..core.sampling import Sampling
+from .base import AUTO, Drafter, Proposal
+from .ngram import point_mass
+
+if TYPE_CHECKING:
+    from ..core.settings import GenerationSettings
+    from ..runtime.engine import Engine
+
+KEY = 3  # tokens an occurrence is looked up by: the shortest match that drafts
+MAX_DEPTH = 24  # the longest ending matched (vLLM's suffix_decoding_max_tree_depth)
+MAX_SPEC_FACTOR = 1.0  # a draft is at most this many times the match's length (vLLM's default)
+MIN_TOKEN_PROB = 0.1  # a path stops where its estimated probability falls below this (vLLM's default)
+MAX_CANDIDATES = 256  # the most recent occurrences of an ending's last KEY tokens looked at
+STORE_TOKENS = 1_000_000  # the store's bounds (oldest answers out first)
+STORE_ANSWERS = 10_000
+PROMPT_TAIL = 8  # tokens of an answer's prompt stored before it
+SAVE_EVERY_S = 300.0  # --suffix-cache: the store is written this often while answers come (and at exit)
+MAGIC = b"SPECQSFX\x01"  # the cache file's first bytes (format 1)
+
+log = logging.getLogger("specq.engine")
+
+
+class Continuation(NamedTuple):
+    """A proposed continuation: its tokens, the estimated probability of reaching each, and the match it grew
+    from (tokens)."""
+
+    tokens: list[int]
+    probs: list[float]
+    match: int
+
+    @property
+    def expected(self) -> float:
+        """Tokens it expects accepted, by its own estimate."""
+        return sum(self.probs)
+
+
+NO_PATH = Continuation([], [], 0)
+
+
+class SuffixIndex:
+    """Sequences of tokens, looked up by every KEY-token window: the occurrences of a text's ending and what
+    followed them. A sequence may grow at its end (`extend`) and be dropped (`drop`: its occurrences are skipped,
+    and pruned when looked at)."""
+
+    def __init__(self):
+        self.seqs: dict[int, list[int]] = {}
+        self.where: dict[tuple[int, ...], deque] = {}  # KEY tokens → (sequence, position after them), oldest first
+        self.n_tokens = 0
+
+    def extend(self, sid: int, tokens: Sequence[int]) -> None:
+        seq = self.seqs.setdefault(sid, [])
+        for tok in tokens:
+            seq.append(int(tok))
+            if len(seq) >= KEY:
+                self.where.setdefault(tuple(seq[-KEY:]), deque()).append((sid, len(seq)))
+        self.n_tokens += len(tokens)
+
+    def drop(self, sid: int) -> None:
+        self.n_tokens -= len(self.seqs.pop(sid, ()))
+
+    def path(self, ending: Sequence[int], n_max: int) -> Continuation:
+        """The continuation of `ending` (see the module's docstring), at most n_max tokens: from occurrences that
+        something followed (in this request's own text, not the ending itself)."""
+        if len(ending) < KEY or n_max < 1:
+            return NO_PATH
+        found = self.where.get(tuple(ending[-KEY:]))
+        if not found:
+            return NO_PATH
+        tail = list(ending[-MAX_DEPTH:])
+        best, at = 0, []
+        stale = 0
+        for sid, pos in reversed(found):
+            if len(at) + stale >= MAX_CANDIDATES:
+                break
+            seq = self.seqs.get(sid)
+            if seq is None:
+                stale += 1
+                continue
+            if pos >= len(seq):
+                continue  # nothing followed it (yet)
+            n = match_length(seq, pos, tail)
+            if n > best:
+                best, at = n, [(seq, pos)]
+            elif n == best:
+                at.append((seq, pos))
+        if stale:
+            self._prune(tuple(ending[-KEY:]))
+        return grow(at, best, n_max)
+
+    def _prune(self, key: tuple[int, ...]) -> None:
+        live = deque(x for x in self.where[key] if x[0] in self.seqs)
+        if live:
+            self.where[key] = live
+        else:
+            del self.where[key]
+
+
+def match_length(seq: list[int], pos: int, tail: list[int]) -> int:
+    """How many of tail's last tokens seq holds just before pos."""
+    n, most = 0, min(len(tail), pos)
+    while n < most and seq[pos - 1 - n] == tail[-1 - n]:
+        n += 1
+    return n
+
+
+def grow(at: list[tuple[list[int], int]], match: int, n_max: int) -> Continuation:
+    """The path from the occurrences `at` (each a sequence and the position after the match): each token the one
+    that followed most often among those still on the path, while the path's probability (the product of the
+    shares; an occurrence whose sequence ended counts against it) stays at least MIN_TOKEN_PROB."""
+    most = min(n_max, int(MAX_SPEC_FACTOR * match))
+    tokens: list[int] = []
+    probs: list[float] = []
+    p, depth = 1.0, 0
+    while at and len(tokens) < most:
+        counts: dict[int, int] = {}
+        for seq, pos in at:
+            if pos + depth < len(seq):
+                tok = seq[pos + depth]
+                counts[tok] = counts.get(tok, 0) + 1
+        if not counts:
+            break
+        tok = max(counts, key=counts.__getitem__)
+        p *= counts[tok] / len(at)
+        if p < MIN_TOKEN_PROB:
+            break
+        tokens.append(tok)
+        probs.append(p)
+        at = [(seq, pos) for seq, pos in at if pos + depth < len(seq) and seq[pos + depth] == tok]
+        depth += 1
+    return Continuation(tokens, probs, match)
+
+
+class SuffixStore:
+    """Earlier answers on one engine (Drafter.provide), shared by its sequences and requests: at most
+    `max_tokens` tokens and `max_answers` answers, the oldest dropped first. With a `path` (--suffix-cache) it is
+    read from there (`load`) and written back atomically, readable by its owner alone: every SAVE_EVERY_S while
+    answers come (a copy of the answers' list on the engine thread, the writing on a thread of its own) and at
+    close. `fingerprint`: the target's vocabulary's (a file made for another vocabulary is not read)."""
+
+    def __init__(self, max_tokens: int = STORE_TOKENS, max_answers: int = STORE_ANSWERS, path: Path | None = None,
+                 fingerprint: bytes = b""):
+        self.max_tokens, self.max_answers = max_tokens, max_answers
+        self.index = SuffixIndex()
+        self.order: deque[int] = deque()
+        self.next_id = 0
+        self.path, self.fingerprint = path, fingerprint
+        self.saved_at = time.monotonic()
+        self.writer: threading.Thread | None = None
+        self.n_saves = 0
+        self.pause_s = 0.0  # the engine thread's longest pause for a save (the copy handed to the writer)
+        self.learning = True  # answers enter it (bench turns it off: each run sees the store as loaded)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        if len(tokens) <= KEY or len(tokens) > self.max_tokens:
+            return
+        self.index.extend(self.next_id, tokens)
+        self.order.append(self.next_id)
+        self.next_id += 1
+        while len(self.order) > self.max_answers or self.index.n_tokens > self.max_tokens:
+            self.index.drop(self.order.popleft())
+        if self.path is not None and time.monotonic() - self.saved_at >= SAVE_EVERY_S:
+            self.save_in_background()
+
+    @property
+    def n_answers(self) -> int:
+        return len(self.order)
+
+    def answers(self) -> list[list[int]]:
+        """The answers, oldest first (the lists themselves: an answer never changes once stored)."""
+        return [self.index.seqs[sid] for sid in self.order]
+
+    def load(self) -> None:
+        """Read the store from `path`, where a file is: one that is corrupt, truncated, foreign or made for another
+        vocabulary is one warning and an empty store, never an error."""
+        if self.path is None or not self.path.exists():
+            return
+        try:
+            answers = read_cache(self.path.read_bytes(), self.fingerprint)
+        except (OSError, ValueError) as e:
+            log.warning("--suffix-cache %s: %s; starting with an empty store", self.path, e)
+            return
+        for tokens in answers:
+            self.add(tokens)
+        log.info("--suffix-cache %s: %d answers, %d tokens", self.path, self.n_answers, self.index.n_tokens)
+
+    def save_in_background(self) -> None:
+        """Write the store without holding the engine up: the answers' list copied here, written on a thread."""
+        if self.writer is not None and self.writer.is_alive():
+            return
+        t0 = time.perf_counter()
+        answers = self.answers()
+        self.pause_s = max(self.pause_s, time.perf_counter() - t0)
+        self.saved_at = time.monotonic()
+        self.writer = threading.Thread(target=self._write, args=(answers,), name="specq-suffix-cache", daemon=True)
+        self.writer.start()
+
+    def _write(self, answers: list[list[int]]) -> None:
+        try:
+            with atomic_output(self.path) as tmp:
+                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                    f.write(cache_bytes(answers, self.fingerprint))
+            self.n_saves += 1
+        except OSError as e:  # a full disk, a folder gone: the last file written stays whole
+            log.warning("--suffix-cache %s: not written (%s)", self.path, e.strerror or e)
+
+    def close(self) -> None:
+        """With the engine: wait for a save under way, then write the store as it ends."""
+        if self.path is None:
+            return
+        if self.writer is not None:
+            self.writer.join()
+        self._write(self.answers())
+
+
+def cache_bytes(answers: list[list[int]], fingerprint: bytes) -> bytes:
+    """The cache file: MAGIC, the vocabulary's fingerprint (32 bytes), the answers' count and lengths (uint32), their
+    tokens (int32), then a SHA-256 of all that."""
+    lengths = np.array([len(a) for a in answers], dtype="<u4")
+    tokens = np.fromiter((t for a in answers for t in a), dtype="<i4", count=int(lengths.sum()))
+    body = b"".join((MAGIC, fingerprint.ljust(32, b"\0")[:32], np.uint32(len(answers)).astype("<u4").tobytes(),
+                     lengths.tobytes(), tokens.tobytes()))
+    return body + hashlib.sha256(body).digest()
+
+
+def read_cache(data: bytes, fingerprint: bytes) -> list[list[int]]:
+    """The answers of a cache file (cache_bytes); ValueError says why it cannot be read."""
+    head = len(MAGIC) + 32 + 4
+    if not data.startswith(MAGIC[:-1]):
+        raise ValueError("not a specq suffix cache")
+    if data[len(MAGIC) - 1:len(MAGIC)] != MAGIC[-1:]:
+        raise ValueError("a suffix cache of another format")
+    if len(data) < head + 32 or hashlib.sha256(data[:-32]).digest() != data[-32:]:
+        raise ValueError("corrupt or truncated")
+    if data[len(MAGIC):len(MAGIC) + 32] != fingerprint.ljust(32, b"\0")[:32]:
+        raise ValueError("made for another vocabulary")
+    n = int(np.frombuffer(data, "<u4", 1, len(MAGIC) + 32)[0])
+    lengths = np.frombuffer(data, "<u4", n, head)
+    tokens = np.frombuffer(data, "<i4", int(lengths.sum()), head + 4 * n)
+    if head + 4 * n + 4 * int(lengths.sum()) + 32 != len(data):
+        raise ValueError("corrupt or truncated")
+    ends = np.cumsum(lengths)
+    return [tokens[e - k:e].tolist() for e, k in zip(ends, lengths)]
+
+
+def vocab_fingerprint(model) -> bytes:
+    """A vocabulary's SHA-256 over its size and every token's text: a cache is read only by the same one."""
+    h = hashlib.sha256(str(model.n_vocab).encode())
+    for i in range(model.n_vocab):
+        h.update(model.token_text(i) + b"\0")
+    return h.digest()
+
+
+class SuffixDrafter(Drafter):
+    """--drafter suffix: what followed the text's ending in earlier answers (the engine's SuffixStore) or in this
+    request's own text, whichever path expects more accepted tokens."""
+
+    name = "suffix"
+    on_match_only = True
+    has_memory = False
+
+    def __init__(self, session):
+        super().__init__(session)
+        self.text = SuffixIndex()  # this session's history, as one sequence (id 0)
+        self._cached: tuple[int, int, Continuation, str] | None = None  # (history length, n_max, path, source)
+        self._pending: tuple[int, list[int], str] | None = None  # the last proposal: (at, tokens, source)
+        self.n_drafted_from = {"store": 0, "text": 0}
+        self.n_accepted_from = {"store": 0, "text": 0}
+        self.on = False  # the running generation may draft with it (attach)
+
+    @classmethod
+    def provide(cls, engine: Engine) -> SuffixStore | None:
+        """The engine's store (None with --suffix-scope request: each request keeps to its own text), read from
+        --suffix-cache where given."""
+        cfg = engine.config
+        if cfg.suffix_scope == "request":
+            return None
+        if cfg.suffix_cache is None:
+            return SuffixStore()
+        store = SuffixStore(path=Path(cfg.suffix_cache), fingerprint=vocab_fingerprint(engine.target))
+        store.load()
+        return store
+
+    def _sync(self) -> None:
+        """Index the history: what it grew by, or all of it again where it was cut back or changed."""
+        hist, seq = self.session.history, self.text.seqs.get(0, [])
+        n = len(seq)
+        if len(hist) < n or hist[max(0, n - 16):n] != seq[max(0, n - 16):]:
+            self.text = SuffixIndex()
+            n = 0
+        self.text.extend(0, hist[n:])
+
+    def _path(self, n_max: int, s: GenerationSettings) -> tuple[Continuation, str]:
+        """The path to propose and its source. Under --drafter auto only the store's: the n-gram drafter already
+        drafts from the request's own text, and with an empty store (a server's first requests) this one then
+        never proposes, so auto pays nothing to explore it."""
+        hist = self.session.history
+        if self._cached is not None and self._cached[:2] == (len(hist), n_max):
+            return self._cached[2:]
+        store = self.shared.index.path(hist, n_max) if self.shared is not None else NO_PATH
+        own = NO_PATH
+        if s.drafters != (AUTO,):
+            self._sync()
+            own = self.text.path(hist, n_max)
+        path, source = (store, "store") if store.expected > own.expected else (own, "text")
+        self._cached = (len(hist), n_max, path, source)
+        return path, source
+
+    def limit(self, n_max: int, s: GenerationSettings) -> int:
+        return len(self._path(n_max, s)[0].tokens)
+
+    def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
+        path, source = self._path(n_max, s)
+        drafts = list(path.tokens)
+        if drafts:
+            self._pending = (len(self.session.history), drafts, source)
+            self.n_drafted_from[source] += len(drafts)
+        return Proposal(drafts, [point_mass(t) for t in drafts] if samp.draft_tf else [])
+
+    def stepped(self) -> None:
+        """Count the last proposal's accepted tokens by where it came from."""
+        if self._pending is not None:
+            at, drafts, source = self._pending
+            got = self.session.history[at:at + len(drafts)]
+            n = 0
+            while n < len(got) and got[n] == drafts[n]:
+                n += 1
+            self.n_accepted_from[source] += n
+            self._pending = None
+
+    def attach(self, on: bool) -> None:
+        self.on = on
+
+    def ended(self, prompt: list[int], output: list[int], interrupted: bool) -> None:
+        if self.on and not interrupted and output and self.shared is not None and self.shared.learning:
+            self.shared.add(list(prompt[-PROMPT_TAIL:]) + list(output))
+
+    def counts(self) -> dict[str, int]:
+        return {"n_drafted_store": self.n_drafted_from["store"], "n_accepted_store": self.n_accepted_from["store"],
+                "n_drafted_text": self.n_drafted_from["text"], "n_accepted_text": self.n_accepted_from["text"]}
+
+    def clear(self) -> None:
+        self.text, self._cached, self._pending = SuffixIndex(), None, None
