@@ -1,0 +1,128 @@
+"""The suffix drafter on agent-like traffic (benchmarks/prompts/agentic.jsonl, made by make_agentic.py): the
+measured half's requests in order, on one engine, per mode:
+
+- baseline: the target alone;
+- ngram: n-gram lookup in the request's own text (specq's context-only n-gram);
+- suffix-cold: --drafter suffix with an empty store, which learns from the measured half's answers as they come
+  (a fresh server);
+- suffix-warm: the same after the warm-up half was answered (untimed) into the store;
+- auto-warm: --drafter auto (the draft model, n-grams, the store) after the same warm-up.
+
+Modes alternate order from repeat to repeat; every mode starts from a store of its own. Greedy output is compared
+with the target alone's; each answer's own-repeat share (what n-grams alone accepted of it) and answers that end
+in a loop are listed.
+
+    python benchmarks/agentic.py --repeat 3 --n-predict 96 --threads 2 --out benchmarks/results/agentic-demo-xeon2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+from specq.native.commands.demo import demo_pair
+from specq.native.core.settings import GenerationSettings
+from specq.native.core.template import TemplateFormatter, load_template
+from specq.native.drafters.suffix import SuffixStore
+from specq.native.runtime.engine import Engine
+
+HERE = Path(__file__).parent
+MODES = ["baseline", "ngram", "suffix-cold", "suffix-warm", "auto-warm"]
+
+
+def load(path: Path) -> tuple[list[dict], list[dict]]:
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r for r in rows if r["half"] == "warmup"], [r for r in rows if r["half"] == "measured"]
+
+
+def loops(tokens: list[int]) -> bool:
+    """An answer that ends repeating a handful of tokens."""
+    return len(tokens) >= 48 and len(set(tokens[-32:])) <= 4
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", default=str(HERE / "prompts" / "agentic.jsonl"))
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--n-predict", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--temp", type=float, default=0.0)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--limit", type=int, default=0, help="only the first N requests of each half (smoke runs)")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    warmup, measured = load(Path(a.prompts))
+    if a.limit:
+        warmup, measured = warmup[:a.limit], measured[:a.limit]
+    modes = a.modes.split(",")
+    target, draft = demo_pair()
+    runs = []
+    with Engine(target, draft, ctx=a.ctx, threads=a.threads, mtp=None) as eng:
+        fmt = TemplateFormatter.for_model(load_template(None, eng.target.chat_template(), str(target)), eng.target)
+
+        def tokens(row: dict) -> list[int]:
+            return eng.tokenize(fmt.render(row["messages"]))
+
+        warm_toks, toks = [tokens(r) for r in warmup], [tokens(r) for r in measured]
+        ses = eng.session()
+        # untimed: the weights paged in and every drafter's first run behind us
+        for drafter in ("model", "ngram", "suffix"):
+            ses.reset()
+            ses.generate(warm_toks[0], GenerationSettings(n_predict=16, drafter=drafter)).run()
+        for rep in range(a.repeat):
+            for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
+                eng.provided["suffix"] = SuffixStore()
+                drafter = {"baseline": "model", "ngram": "ngram", "auto-warm": "auto"}.get(mode, "suffix")
+                s = GenerationSettings(n_predict=a.n_predict, draft_max="auto", temp=a.temp, seed=rep,
+                                       drafter=drafter).validate()
+                if mode.endswith("-warm"):
+                    for t in warm_toks:
+                        ses.reset()
+                        ses.generate(t, s).run()
+                for i, t in enumerate(toks):
+                    ses.reset()
+                    g = ses.generate(t, s, speculative=mode != "baseline").run()
+                    st = g.stats
+                    runs.append({"mode": mode, "repeat": rep, "request": measured[i]["name"], "tokens": g.tokens,
+                                 "n_generated": st.n_generated, "gen_ms": st.gen_ms, "n_drafted": st.n_drafted,
+                                 "n_accepted": st.n_accepted, "n_drafted_by": dict(st.n_drafted_by),
+                                 "n_accepted_by": dict(st.n_accepted_by), "n_drafted_store": st.n_drafted_store,
+                                 "n_accepted_store": st.n_accepted_store, "n_drafted_text": st.n_drafted_text,
+                                 "n_accepted_text": st.n_accepted_text})
+                rows = [r for r in runs if r["mode"] == mode and r["repeat"] == rep]
+                tps = 1e3 * sum(r["n_generated"] for r in rows) / sum(r["gen_ms"] for r in rows)
+                print(f"rep {rep} {mode:12s} {tps:6.1f} tok/s  store {sum(r['n_accepted_store'] for r in rows)}"
+                      f"/{sum(r['n_drafted_store'] for r in rows)}", file=sys.stderr, flush=True)
+    per = {m: [] for m in modes}
+    for m in modes:
+        for rep in range(a.repeat):
+            rows = [r for r in runs if r["mode"] == m and r["repeat"] == rep]
+            per[m].append(1e3 * sum(r["n_generated"] for r in rows) / sum(r["gen_ms"] for r in rows))
+    med = {m: statistics.median(v) for m, v in per.items()}
+    base = {(r["repeat"], r["request"]): r["tokens"] for r in runs if r["mode"] == "baseline"}
+    identical = {m: all(r["tokens"] == base.get((r["repeat"], r["request"]), r["tokens"])
+                        for r in runs if r["mode"] == m) for m in modes}
+    ngram_rows = [r for r in runs if r["mode"] == "ngram" and r["repeat"] == 0]
+    doc = {"machine": {"cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                                    if ln.startswith("model name")), "?"), "python": platform.python_version()},
+           "command": " ".join(["python", "benchmarks/agentic.py", *sys.argv[1:]]),
+           "target": target.name, "draft": draft.name, "n_predict": a.n_predict, "temp": a.temp,
+           "requests_measured": len(measured), "requests_warmup": len(warmup),
+           "tokens_per_s_per_repeat": per, "median_tokens_per_s": med,
+           "vs_baseline": {m: med[m] / med["baseline"] for m in modes} if "baseline" in med else None,
+           "identical_to_baseline": identical,
+           "own_repeat_share": {r["request"]: r["n_accepted"] / max(r["n_generated"], 1) for r in ngram_rows},
+           "loops": sorted({r["request"] for r in runs if r["mode"] == "baseline" and loops(r["tokens"])}),
+           "runs": runs}
+    print(json.dumps({k: v for k, v in doc.items() if k not in ("runs", "own_repeat_share")}, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
