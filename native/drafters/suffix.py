@@ -71,8 +71,8 @@ NO_PATH = Continuation([], [], 0)
 
 class SuffixIndex:
     """Sequences of tokens, looked up by every KEY-token window: the occurrences of a text's ending and what
-    followed them. A sequence may grow at its end (`extend`) and be dropped (`drop`: its occurrences are skipped,
-    and pruned when looked at)."""
+    followed them (the MAX_CANDIDATES most recent). A sequence may grow at its end (`extend`) and be dropped
+    (`drop`)."""
 
     def __init__(self):
         self.seqs: dict[int, list[int]] = {}
@@ -88,7 +88,17 @@ class SuffixIndex:
         self.n_tokens += len(tokens)
 
     def drop(self, sid: int) -> None:
-        self.n_tokens -= len(self.seqs.pop(sid, ()))
+        """Forget a sequence. Its occurrences go with it where they lead their windows' lists (the oldest
+        sequence, as the store drops them); any others are skipped when looked at."""
+        seq = self.seqs.pop(sid, [])
+        self.n_tokens -= len(seq)
+        for end in range(KEY, len(seq) + 1):
+            key = tuple(seq[end - KEY:end])
+            found = self.where.get(key)
+            while found and found[0][0] == sid:
+                found.popleft()
+            if found is not None and not found:
+                del self.where[key]
 
     def path(self, ending: Sequence[int], n_max: int) -> Continuation:
         """The continuation of `ending` (see the module's docstring), at most n_max tokens: from occurrences that
@@ -100,13 +110,11 @@ class SuffixIndex:
             return NO_PATH
         tail = list(ending[-MAX_DEPTH:])
         best, at = 0, []
-        stale = 0
-        for sid, pos in reversed(found):
-            if len(at) + stale >= MAX_CANDIDATES:
+        for n_seen, (sid, pos) in enumerate(reversed(found)):
+            if n_seen >= MAX_CANDIDATES:
                 break
             seq = self.seqs.get(sid)
-            if seq is None:
-                stale += 1
+            if seq is None:  # dropped
                 continue
             if pos >= len(seq):
                 continue  # nothing followed it (yet)
@@ -115,16 +123,7 @@ class SuffixIndex:
                 best, at = n, [(seq, pos)]
             elif n == best:
                 at.append((seq, pos))
-        if stale:
-            self._prune(tuple(ending[-KEY:]))
         return grow(at, best, n_max)
-
-    def _prune(self, key: tuple[int, ...]) -> None:
-        live = deque(x for x in self.where[key] if x[0] in self.seqs)
-        if live:
-            self.where[key] = live
-        else:
-            del self.where[key]
 
 
 def match_length(seq: list[int], pos: int, tail: list[int]) -> int:
