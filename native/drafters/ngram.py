@@ -44,7 +44,8 @@ class NgramIndex:
         """Make the statistics those of `tokens`: undo what no longer matches, count what is new. Whether anything
         changed."""
         text, n = self.text, len(self.text)
-        if only_grew(tokens, text):  # the usual case
+        tail = max(0, n - 16)
+        if len(tokens) >= n and list(tokens[tail:n]) == text[tail:]:  # the usual case: the text only grew
             keep = n
         else:
             keep = next((i for i, (a, b) in enumerate(zip(text, tokens)) if a != b), min(n, len(tokens)))
@@ -106,13 +107,6 @@ class NgramIndex:
             out.append(tok)
             ending = (ending + [tok])[-self.n_max:]
         return out
-
-
-def only_grew(tokens: Sequence[int], text: list[int]) -> bool:
-    """Whether `tokens` is `text` grown at its end (their last 16 tokens compared: a history changes at its end)."""
-    n = len(text)
-    tail = max(0, n - 16)
-    return len(tokens) >= n and list(tokens[tail:n]) == text[tail:]
 
 
 def propose(tokens: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:
