@@ -130,9 +130,9 @@ FlashAttnOpt = Annotated[str, typer.Option("--flash-attn", help="Attention path:
 DrafterOpt = Annotated[str, typer.Option("--drafter", help="Who proposes tokens: model (the draft model), ngram "
                                                           "(lookup in the text so far, no model), suffix (what "
                                                           "followed in earlier answers or this text), mtp (the "
-                                                          "target's own MTP head), a comma list such as model,ngram (the "
-                                                          "n-gram's proposal where the text repeats, else the "
-                                                          "model's), or auto (chosen each step from what was "
+                                                          "target's own MTP head), a comma list such as "
+                                                          "model,ngram (the n-gram's proposal where the text repeats, "
+                                                          "else the model's), or auto (chosen each step from what was "
                                                           "measured, plain decoding included).")]
 NgramMinOpt = Annotated[int, typer.Option("--ngram-min", help="Shortest repeated ending an n-gram proposal needs.")]
 NgramMaxOpt = Annotated[int, typer.Option("--ngram-max", help="Longest ending the n-gram lookup tries first.")]

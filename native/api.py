@@ -76,9 +76,9 @@ def load(target: str | Path | None = None, draft: str | Path | None = None, *, c
     `specq convert` (its manifest's files and suggested settings), a preset's name (its pair converted into the
     cache folder: preset_folder), or "demo" / None for the built-in demo pair.
     `ctx`: tokens of context per sequence (default: the pair folder's suggestion, else EngineConfig's);
-    `parallel`: sequences generate_batch runs at once; `drafter`: model, ngram, suffix, mtp, a comma list or auto (default:
-    model where a draft is loaded, else ngram); `draft_max`: a number or "auto" (default: the manifest's, else
-    GenerationSettings');
+    `parallel`: sequences generate_batch runs at once; `drafter`: model, ngram, suffix, mtp, a comma list or auto
+    (default: model where a draft is loaded, else ngram); `draft_max`: a number or "auto" (default: the manifest's,
+    else GenerationSettings');
     `ngl`/`ngl_draft`: layers on a GPU (0: the CPU); `template`: a chat template (file or text) instead of the
     target's own."""
     suggested: dict = {}

@@ -50,7 +50,6 @@ class DrafterChooser:
         self.n_steps = 0
         self.n_chosen = {name: 0 for name in self.per}
         self.n_charged = 0  # steps chosen with a drafter's catch-up charged to the others (see choose)
-        self.n_handovers_offered = 0  # steps whose drafter was told where to hand over (see _handover)
 
     def at(self, n_ctx: int, remaining: int | None = None) -> None:
         """The next steps run at a context of n_ctx tokens (LengthController.at, for every drafter)."""
@@ -191,7 +190,6 @@ class DrafterChooser:
                 for least in range(1, self.cap + 1):
                     k, rate = self._best(name, least, charge)
                     if k > 0 and rate * pace_s > 1.0:
-                        self.n_handovers_offered += 1
                         return Handover(name, least)
         return None
 

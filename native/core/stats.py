@@ -124,6 +124,8 @@ class RunningCounts:
     n_handovers: int = 0  # --drafter auto: draft-model steps stopped where an n-gram would propose (Session.until)
     drafted_by: dict = field(default_factory=dict)
     accepted_by: dict = field(default_factory=dict)
+    drafted_from: dict = field(default_factory=dict)  # by Proposal.source (the suffix drafter's store, text)
+    accepted_from: dict = field(default_factory=dict)
     steps_by_k: dict = field(default_factory=dict)
     tried: list[int] = field(default_factory=list)
     verify_by_size: dict = field(default_factory=dict)
@@ -147,6 +149,9 @@ class RunningCounts:
                 self.accepted.pop()
             self.drafted_by[step.drafter] = self.drafted_by.get(step.drafter, 0) + sign * k
             self.accepted_by[step.drafter] = self.accepted_by.get(step.drafter, 0) + sign * a
+            if step.source is not None:
+                self.drafted_from[step.source] = self.drafted_from.get(step.source, 0) + sign * k
+                self.accepted_from[step.source] = self.accepted_from.get(step.source, 0) + sign * a
             if step.constrained:
                 self.drafted_constrained += sign * k
                 self.accepted_constrained += sign * a

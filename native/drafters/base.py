@@ -29,8 +29,8 @@ A drafter's life in a session, each hook a no-op by default:
 - `wants_prompt_rows(n_new)`, `prompt_compared(ctrl, overhead)`: it asks for the comparison for its own sake and
   may act on it (the draft model's window trial);
 - `propose` / `propose_batch`: each step (a drafter that drafts token by token stops once `session.until` holds
-  for its drafts: --drafter auto hands the step over to an n-gram match there, `lookahead`); `rewind`: after a verify, a rollback or a new prompt; `stepped()`: after
-  each step;
+  for its drafts: --drafter auto hands the step over to an n-gram match there, `lookahead`); `rewind`: after a
+  verify, a rollback or a new prompt; `stepped()`: after each step;
 - `ended(prompt, output, interrupted)`: the generation ended, whoever drafted;
 - `counts()`: its counters for the generation stats; `clear()`: a reset session.
 
@@ -102,6 +102,7 @@ class Proposal:
     first_token_s: float | None = None  # seconds to the first drafted token (a short catch-up included), where clean
     token_s: float | None = None  # seconds per further drafted token (None below two tokens)
     catchup: CatchUp | None = None  # a long catch-up before the first token
+    source: str | None = None  # where a drafter with several sources took it (the suffix drafter: store, text)
 
 
 class Drafter:

@@ -70,7 +70,8 @@ class ModelDrafter(Drafter):
     @classmethod
     def check(cls, engine: Engine) -> None:
         if engine.draft is None:
-            raise UsageError("speculative decoding needs a draft model; pass --draft (or --drafter ngram, suffix or mtp)")
+            raise UsageError("speculative decoding needs a draft model; "
+                             "pass --draft (or --drafter ngram, suffix or mtp)")
 
     @classmethod
     def cost_prior(cls, engine: Engine) -> float:

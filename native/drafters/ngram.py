@@ -44,8 +44,7 @@ class NgramIndex:
         """Make the statistics those of `tokens`: undo what no longer matches, count what is new. Whether anything
         changed."""
         text, n = self.text, len(self.text)
-        tail = max(0, n - 16)
-        if len(tokens) >= n and list(tokens[tail:n]) == text[tail:]:  # the usual case: the text only grew
+        if only_grew(tokens, text):  # the usual case
             keep = n
         else:
             keep = next((i for i, (a, b) in enumerate(zip(text, tokens)) if a != b), min(n, len(tokens)))
@@ -107,6 +106,13 @@ class NgramIndex:
             out.append(tok)
             ending = (ending + [tok])[-self.n_max:]
         return out
+
+
+def only_grew(tokens: Sequence[int], text: list[int]) -> bool:
+    """Whether `tokens` is `text` grown at its end (their last 16 tokens compared: a history changes at its end)."""
+    n = len(text)
+    tail = max(0, n - 16)
+    return len(tokens) >= n and list(tokens[tail:n]) == text[tail:]
 
 
 def propose(tokens: Sequence[int], n_min: int, n_max: int, k: int) -> list[int]:

@@ -32,7 +32,7 @@ import numpy as np
 from ...atomic import atomic_output
 from ..core.sampling import Sampling
 from .base import AUTO, Drafter, Proposal
-from .ngram import point_mass
+from .ngram import only_grew, point_mass
 
 if TYPE_CHECKING:
     from ..core.settings import GenerationSettings
@@ -293,9 +293,6 @@ class SuffixDrafter(Drafter):
         super().__init__(session)
         self.text = SuffixIndex()  # this session's history, as one sequence (id 0)
         self._cached: tuple[int, int, Continuation, str] | None = None  # (history length, n_max, path, source)
-        self._pending: tuple[int, list[int], str] | None = None  # the last proposal: (at, tokens, source)
-        self.n_drafted_from = {"store": 0, "text": 0}
-        self.n_accepted_from = {"store": 0, "text": 0}
         self.on = False  # the running generation may draft with it (attach)
 
     @classmethod
@@ -314,11 +311,9 @@ class SuffixDrafter(Drafter):
     def _sync(self) -> None:
         """Index the history: what it grew by, or all of it again where it was cut back or changed."""
         hist, seq = self.session.history, self.text.seqs.get(0, [])
-        n = len(seq)
-        if len(hist) < n or hist[max(0, n - 16):n] != seq[max(0, n - 16):]:
-            self.text = SuffixIndex()
-            n = 0
-        self.text.extend(0, hist[n:])
+        if not only_grew(hist, seq):
+            self.text, seq = SuffixIndex(), []
+        self.text.extend(0, hist[len(seq):])
 
     def _path(self, n_max: int, s: GenerationSettings) -> tuple[Continuation, str]:
         """The path to propose and its source. Under --drafter auto only the store's: the n-gram drafter already
@@ -342,21 +337,7 @@ class SuffixDrafter(Drafter):
     def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
         path, source = self._path(n_max, s)
         drafts = list(path.tokens)
-        if drafts:
-            self._pending = (len(self.session.history), drafts, source)
-            self.n_drafted_from[source] += len(drafts)
-        return Proposal(drafts, [point_mass(t) for t in drafts] if samp.draft_tf else [])
-
-    def stepped(self) -> None:
-        """Count the last proposal's accepted tokens by where it came from."""
-        if self._pending is not None:
-            at, drafts, source = self._pending
-            got = self.session.history[at:at + len(drafts)]
-            n = 0
-            while n < len(got) and got[n] == drafts[n]:
-                n += 1
-            self.n_accepted_from[source] += n
-            self._pending = None
+        return Proposal(drafts, [point_mass(t) for t in drafts] if samp.draft_tf else [], source=source)
 
     def attach(self, on: bool) -> None:
         self.on = on
@@ -365,9 +346,5 @@ class SuffixDrafter(Drafter):
         if self.on and not interrupted and output and self.shared is not None and self.shared.learning:
             self.shared.add(list(prompt[-PROMPT_TAIL:]) + list(output))
 
-    def counts(self) -> dict[str, int]:
-        return {"n_drafted_store": self.n_drafted_from["store"], "n_accepted_store": self.n_accepted_from["store"],
-                "n_drafted_text": self.n_drafted_from["text"], "n_accepted_text": self.n_accepted_from["text"]}
-
     def clear(self) -> None:
-        self.text, self._cached, self._pending = SuffixIndex(), None, None
+        self.text, self._cached = SuffixIndex(), None

@@ -89,7 +89,8 @@ def make_stats(g: Generation, stop: str, gen_s: float) -> GenerationStats:
         n_draft_slides=grew.get("n_draft_slides", 0),
         draft_window=reader_window(g.session) if g.speculative else None,
         n_window_trials=grew.get("n_window_trials", 0), n_window_reverts=grew.get("n_window_reverts", 0),
-        **{k: grew.get(k, 0) for k in ("n_drafted_store", "n_accepted_store", "n_drafted_text", "n_accepted_text")},
+        n_drafted_store=p.drafted_from.get("store", 0), n_accepted_store=p.accepted_from.get("store", 0),
+        n_drafted_text=p.drafted_from.get("text", 0), n_accepted_text=p.accepted_from.get("text", 0),
         stop_reason=stop,
         accept_mode=(samp.mode if samp else "greedy") if g.speculative else (
             "greedy" if s.temp <= 0 else "sample"),

@@ -40,6 +40,7 @@ class StepResult:
     draft_token_s: float | None = None  # seconds per further drafted token, where measured
     drafter: str | None = None  # who proposed this step's drafts (a registry name)
     catchup: CatchUp | None = None  # a long catch-up before the first drafted token
+    source: str | None = None  # where the drafter took its drafts (Proposal.source)
     # rejection sampling: per drafted position (reach, expected acceptance), accept.expected_acceptance
     acceptance: tuple[tuple[float, float], ...] | None = None
     constrained: bool = False  # the step's first token was under a constraint (GenerationSettings.constraint)
@@ -111,7 +112,8 @@ def step(asks: list[Ask]) -> list[StepResult]:
     logprobs = [logprobs_of(a.session, e, a.settings) for a, (e, _) in zip(asks, accepted)]
     verify_s = clock() - t1
     return [StepResult(e, len(d), t1 - t0, verify_s, p.first_token_s, p.token_s, drafter=n, catchup=p.catchup,
-                       acceptance=acc, logprobs=lp, shared=len(asks) > 1, constrained=c)
+                       source=p.source if n else None, acceptance=acc, logprobs=lp, shared=len(asks) > 1,
+                       constrained=c)
             for (e, acc), d, p, n, lp, c in zip(accepted, drafts, props, names, logprobs, constrained)]
 
 
