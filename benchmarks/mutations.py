@@ -151,6 +151,13 @@ MUTANTS = [
     Mutant("suffix-rarest-continuation", "--drafter suffix: the path follows the least frequent continuation",
            (("native/drafters/suffix.py", "tok = max(counts, key=counts.__getitem__)",
              "tok = min(counts, key=counts.__getitem__)"),)),
+    Mutant("suffix-sampled-q-point-mass", "--drafter suffix at T > 0: a sampled draft verified with a point mass "
+                                          "on the drawn token as q (the law holds, acceptance falls to sum q*p)",
+           (("native/drafters/suffix.py", "        dists.append(q)\n", "        dists.append(point_mass(tok))\n"),)),
+    Mutant("suffix-q-not-renormalised", "--drafter suffix at T > 0: the count law not renormalised after the "
+                                        "threshold drop (q sums below 1)",
+           (("native/drafters/suffix.py", "return SparseDist(ids[keep], w[keep] / w[keep].sum())",
+             "return SparseDist(ids[keep], w[keep])"),)),
     Mutant("named-choice-repeats", "a named tool_choice lets the call grammar repeat (parallel_tool_calls' default "
                                    "kept): the answer may hold several calls",
            (("native/serving/tools.py", 'parallel is not False and kind != "function")', "parallel is not False)"),)),

@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from specq.native.core.settings import GenerationSettings
 from specq.native.drafters import suffix
 from specq.native.drafters.suffix import SuffixIndex, SuffixStore, cache_bytes, read_cache
 from specq.native.runtime.engine import Engine
+from stats import chi2_pvalue
+from test_exactness import sampled_law, target_law
 
 
 # ---- the index and the store, on plain lists ------------------------------------------------------------------
@@ -185,6 +188,114 @@ def test_sequences_of_one_engine_share_one_store(tiny_target):
         first = a.generate(toks, s).run()  # sequence 0's answer enters the engine's store...
         g = b.generate(toks, s).run()  # ...and sequence 1 drafts from it
     assert g.tokens == first.tokens == alone.tokens and g.stats.n_accepted_store > 0
+
+
+# ---- sampled drafts at T > 0: drawn from the followers' counts, their law the verify's q -----------------------
+class Law:
+    """A Sampling stand-in for draw: a seeded generator and, optionally, a constraint's mask."""
+
+    def __init__(self, seed: int = 0, allowed=None):
+        self.rng = np.random.default_rng(seed)
+        self.guide = None if allowed is None else type("Guide", (), {"allowed": lambda _, d, i: allowed})()
+
+
+def test_a_sampled_draft_draws_from_the_shares_above_the_threshold_renormalised():
+    counts = {5: 6, 6: 3, 7: 1, 8: 1, 9: 1}  # shares .5, .25 and three of 1/12, below MIN_TOKEN_PROB
+    q = suffix.count_law(counts, None)
+    assert dict(zip(q.ids.tolist(), q.probs.tolist())) == pytest.approx({5: 2 / 3, 6: 1 / 3})
+    allowed = np.zeros(16, bool)
+    allowed[[6, 7]] = True  # a constraint that forbids 5: what it allows of the rest, renormalised
+    q = suffix.count_law(counts, allowed)
+    assert q.ids.tolist() == [6] and q.probs.tolist() == [1.0]
+    allowed[6] = False
+    assert suffix.count_law(counts, allowed) is None  # nothing above the threshold allowed: no draft
+
+
+def test_a_sampled_draft_follows_the_occurrences_of_what_it_drew_and_stops_only_before_a_draw():
+    seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8], [1, 2, 3, 4, 7, 9], [1, 2, 3, 4, 7, 9]]
+    idx = SuffixIndex()
+    for i, seq in enumerate(seqs):
+        idx.extend(i, seq)
+    at, match = idx.occurrences([0, 1, 2, 3, 4])
+    assert match == 4 and len(at) == 4
+    seen = {}
+    for seed in range(400):
+        drafts, dists = suffix.draw(at, match, 8, Law(seed))
+        seen[tuple(drafts)] = seen.get(tuple(drafts), 0) + 1
+        assert len(drafts) == len(dists) and all(abs(q.probs.sum() - 1) < 1e-12 for q in dists)
+        if drafts[:1] == [7]:  # after 7, its three occurrences alone: 8 once, 9 twice
+            assert dists[1].prob_of(9) == pytest.approx(2 / 3)
+    # 5 (share 1/4) then 6, or 7 (3/4) then 8 or 9: every path the counts allow, about as often as they say
+    assert set(seen) == {(5, 6), (7, 8), (7, 9)}
+    assert 0.15 < seen[(5, 6)] / 400 < 0.35 and 0.4 < seen[(7, 9)] / 400 < 0.6
+    assert suffix.draw(at, match, 1, Law())[0] in ([5], [7])  # at most n_max
+    assert suffix.draw(at, 1, 8, Law())[0] in ([5], [7])  # at most MAX_SPEC_FACTOR × the match
+
+
+def fixture_store(e: Engine, toks: list[int], law: dict) -> SuffixStore:
+    """A store that continues each first token the target may sample (its top 4) with the two it finds least
+    likely next, 3 : 2, and nine tokens once each (shares of 1/14, dropped by the threshold): q puts all its
+    mass where p puts little, and the drop leaves 5/14 of the counts to renormalise."""
+    store = SuffixStore()
+    store.learning = False  # the store stays as built: every sample drafts from the same counts
+    firsts: dict[int, list] = {}
+    for (y, x), p in law.items():
+        firsts.setdefault(y, []).append((p, x))
+    rare = [t for t in range(100, 400) if all(t not in (x for _, x in v) for v in firsts.values())][:9]
+    for y, opts in firsts.items():
+        low, second = sorted(opts)[0][1], sorted(opts)[1][1]
+        for child, n in [(low, 3), (second, 2), *((t, 1) for t in rare)]:
+            for _ in range(n):
+                store.add(toks[-suffix.PROMPT_TAIL:] + [y, child])
+    return store
+
+
+def tv_to_target(store: SuffixStore, toks: list[int], law: dict) -> float:
+    """The least total variation, over the first tokens, between q at the first drafted position and p."""
+    worst = 1.0
+    firsts = {y for y, _ in law}
+    for y in firsts:
+        at, match = store.index.occurrences(toks + [y])
+        q = suffix.count_law(suffix.followers(at, 0), None)
+        p_y = sum(p for (a, _), p in law.items() if a == y)
+        p = {x: pr / p_y for (a, x), pr in law.items() if a == y}
+        worst = min(worst, 0.5 * sum(abs(p.get(t, 0.0) - q.prob_of(t)) for t in set(p) | set(q.ids.tolist())))
+    return worst
+
+
+def test_sampled_suffix_drafts_keep_the_joint_law_of_the_first_tokens_at_temperature_1(tiny_target):
+    kw = dict(temp=1.0, top_k=4, top_p=1.0, min_p=0.0, drafter="suffix")
+    with Engine(tiny_target, None, ctx=128, threads=1) as e:
+        toks = e.tokenize(PROMPT)
+        law = target_law(tiny_target, toks, 2, top_k=4)
+        e.provided["suffix"] = store = fixture_store(e, toks, law)
+        assert tv_to_target(store, toks, law) >= 0.3
+        counts, stats = sampled_law(e, toks, 3000, 2, n_predict=3, draft_max=1, **kw)
+    drafted = sum(st.n_drafted_store for st in stats)
+    accepted = sum(st.n_accepted_store for st in stats)
+    assert len(law) == 16 and drafted == 3000  # the second token was a sampled store draft in every run
+    assert 300 < accepted < drafted - 300  # accepted often, rejected often: both branches of the rule ran
+    assert chi2_pvalue(counts, law) > 0.001
+    # Rejection sampling accepts a draft drawn from q with probability Σ min(p, q): the verify used the q the draft
+    # was drawn from. (A point mass on the drawn token as q keeps the law too, any draw's does, but accepts
+    # only Σ q·p: that mistake shows here, not in the law.)
+    want = sum(p_y * accept_rate(store, toks, law, y) for y, p_y in first_law(law).items())
+    assert abs(accepted - drafted * want) < 4 * (drafted * want * (1 - want)) ** 0.5, (accepted, drafted * want)
+
+
+def first_law(law: dict) -> dict:
+    out: dict[int, float] = {}
+    for (y, _), p in law.items():
+        out[y] = out.get(y, 0.0) + p
+    return out
+
+
+def accept_rate(store: SuffixStore, toks: list[int], law: dict, y: int) -> float:
+    """Σ min(p, q) at the drafted position after first token y: p the target's law, q the store's count law."""
+    at, _ = store.index.occurrences(toks + [y])
+    q = suffix.count_law(suffix.followers(at, 0), None)
+    p_y = first_law(law)[y]
+    return sum(min(pr / p_y, q.prob_of(x)) for (a, x), pr in law.items() if a == y)
 
 
 # ---- through the server ------------------------------------------------------------------------------------

@@ -12,8 +12,15 @@ The store holds answers only (a shared system prompt would dominate its counts),
 tokens of its prompt before it (so that an answer's opening can match), bounded by tokens and answers (oldest out
 first). An answer enters it when a generation that could draft with this drafter (--drafter suffix or auto) ends
 by itself: an interrupted or failed one's partial output never does, nor a target-alone reference's (bench's
-baseline, draft_max 0). A proposal is a point mass on each token (as the n-gram drafter's), so rejection
-sampling stays exact.
+baseline, draft_max 0).
+
+Greedy, the path's tokens are the proposal. At T > 0 (rejection sampling) a draft is drawn a token at a time from
+the followers' counts (`draw`: the shares below MIN_TOKEN_PROB dropped, the rest renormalised, and under a
+constraint its forbidden tokens dropped and renormalised again), and that law is the verify's q; it stops only
+before a draw, so every drawn token keeps its law. With `sampled` off, the greedy path is proposed as point masses
+(as the n-gram drafter's), exact as well. Either way the output's law is the target's; what the store holds (what
+the engine served before) changes which random draws a seeded answer uses, so a seeded answer at T > 0 depends on
+the requests served before it.
 """
 
 from __future__ import annotations
@@ -25,12 +32,12 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import NamedTuple, Sequence, TYPE_CHECKING
+from typing import ClassVar, NamedTuple, Sequence, TYPE_CHECKING
 
 import numpy as np
 
 from ...atomic import atomic_output
-from ..core.sampling import Sampling
+from ..core.sampling import Sampling, SparseDist, sample
 from .base import AUTO, Drafter, Proposal
 from .ngram import only_grew, point_mass
 
@@ -103,11 +110,17 @@ class SuffixIndex:
     def path(self, ending: Sequence[int], n_max: int) -> Continuation:
         """The continuation of `ending` (see the module's docstring), at most n_max tokens: from occurrences that
         something followed (in this request's own text, not the ending itself)."""
-        if len(ending) < KEY or n_max < 1:
+        if n_max < 1:
             return NO_PATH
-        found = self.where.get(tuple(ending[-KEY:]))
+        at, match = self.occurrences(ending)
+        return grow(at, match, n_max)
+
+    def occurrences(self, ending: Sequence[int]) -> tuple[list[tuple[list[int], int]], int]:
+        """The occurrences of `ending`'s longest matched ending that something followed (each a sequence and the
+        position after it; among the MAX_CANDIDATES most recent of its last KEY tokens), and the match's length."""
+        found = self.where.get(tuple(ending[-KEY:])) if len(ending) >= KEY else None
         if not found:
-            return NO_PATH
+            return [], 0
         tail = list(ending[-MAX_DEPTH:])
         best, at = 0, []
         for n_seen, (sid, pos) in enumerate(reversed(found)):
@@ -123,7 +136,7 @@ class SuffixIndex:
                 best, at = n, [(seq, pos)]
             elif n == best:
                 at.append((seq, pos))
-        return grow(at, best, n_max)
+        return at, best
 
 
 def match_length(seq: list[int], pos: int, tail: list[int]) -> int:
@@ -134,6 +147,16 @@ def match_length(seq: list[int], pos: int, tail: list[int]) -> int:
     return n
 
 
+def followers(at: list[tuple[list[int], int]], depth: int) -> dict[int, int]:
+    """How often each token followed, `depth` tokens after the match, among the occurrences `at`."""
+    counts: dict[int, int] = {}
+    for seq, pos in at:
+        if pos + depth < len(seq):
+            tok = seq[pos + depth]
+            counts[tok] = counts.get(tok, 0) + 1
+    return counts
+
+
 def grow(at: list[tuple[list[int], int]], match: int, n_max: int) -> Continuation:
     """The path from the occurrences `at` (each a sequence and the position after the match): each token the one
     that followed most often among those still on the path, while the path's probability (the product of the
@@ -141,13 +164,9 @@ def grow(at: list[tuple[list[int], int]], match: int, n_max: int) -> Continuatio
     most = min(n_max, int(MAX_SPEC_FACTOR * match))
     tokens: list[int] = []
     probs: list[float] = []
-    p, depth = 1.0, 0
+    p = 1.0
     while at and len(tokens) < most:
-        counts: dict[int, int] = {}
-        for seq, pos in at:
-            if pos + depth < len(seq):
-                tok = seq[pos + depth]
-                counts[tok] = counts.get(tok, 0) + 1
+        counts = followers(at, len(tokens))
         if not counts:
             break
         tok = max(counts, key=counts.__getitem__)
@@ -156,9 +175,49 @@ def grow(at: list[tuple[list[int], int]], match: int, n_max: int) -> Continuatio
             break
         tokens.append(tok)
         probs.append(p)
-        at = [(seq, pos) for seq, pos in at if pos + depth < len(seq) and seq[pos + depth] == tok]
-        depth += 1
+        at = [(seq, pos) for seq, pos in at if pos + len(tokens) - 1 < len(seq) and seq[pos + len(tokens) - 1] == tok]
     return Continuation(tokens, probs, match)
+
+
+def count_law(counts: dict[int, int], allowed: np.ndarray | None) -> SparseDist | None:
+    """The law a sampled draft draws a token from: the followers' shares, those below MIN_TOKEN_PROB dropped and
+    the rest renormalised, then (under a constraint) the tokens it forbids dropped and renormalised again; None
+    where nothing is left. It is the q of the verify's rejection sampling."""
+    ids = np.fromiter(counts, np.int32, len(counts))
+    w = np.fromiter(counts.values(), np.float64, len(counts))
+    w /= w.sum()
+    keep = w >= MIN_TOKEN_PROB
+    if allowed is not None:
+        keep &= np.array([t < len(allowed) and bool(allowed[t]) for t in ids.tolist()])
+    if not keep.any():
+        return None
+    return SparseDist(ids[keep], w[keep] / w[keep].sum())
+
+
+def draw(at: list[tuple[list[int], int]], match: int, n_max: int, samp: Sampling) -> tuple[list[int], list]:
+    """A draft sampled along the occurrences `at` (a token at a time from count_law, with samp's generator), and
+    each token's law. It stops before a draw, never after: at the length grow would allow (n_max and the match's
+    share), or where even the likeliest follower would take the path's probability (the product of the drawn
+    tokens' shares, as grow's) below MIN_TOKEN_PROB; a drawn token is always kept, so each keeps its law."""
+    most = min(n_max, int(MAX_SPEC_FACTOR * match))
+    drafts: list[int] = []
+    dists: list[SparseDist] = []
+    p = 1.0
+    while at and len(drafts) < most:
+        depth = len(drafts)
+        counts = followers(at, depth)
+        if not counts or p * max(counts.values()) / len(at) < MIN_TOKEN_PROB:
+            break
+        guide = samp.guide
+        q = count_law(counts, None if guide is None else guide.allowed(drafts, depth))
+        if q is None:
+            break
+        tok = sample(q, samp.rng)
+        p *= counts[tok] / len(at)
+        drafts.append(tok)
+        dists.append(q)
+        at = [(seq, pos) for seq, pos in at if pos + depth < len(seq) and seq[pos + depth] == tok]
+    return drafts, dists
 
 
 class SuffixStore:
@@ -288,6 +347,7 @@ class SuffixDrafter(Drafter):
     name = "suffix"
     on_match_only = True
     has_memory = False
+    sampled: ClassVar[bool] = True  # at T > 0, drafts drawn from the followers' counts (draw), else point masses
 
     def __init__(self, session):
         super().__init__(session)
@@ -336,8 +396,14 @@ class SuffixDrafter(Drafter):
 
     def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
         path, source = self._path(n_max, s)
-        drafts = list(path.tokens)
-        return Proposal(drafts, [point_mass(t) for t in drafts] if samp.draft_tf else [], source=source)
+        if samp.draft_tf is None or not path.tokens:
+            return Proposal(list(path.tokens), source=source)
+        if not self.sampled:
+            return Proposal(list(path.tokens), [point_mass(t) for t in path.tokens], source=source)
+        index = self.shared.index if source == "store" else self.text
+        at, match = index.occurrences(self.session.history)
+        drafts, dists = draw(at, match, n_max, samp)
+        return Proposal(drafts, dists, source=source)
 
     def attach(self, on: bool) -> None:
         self.on = on
