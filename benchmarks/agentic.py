@@ -6,7 +6,9 @@ measured half's requests in order, on one engine, per mode:
 - suffix-cold: --drafter suffix with an empty store, which learns from the measured half's answers as they come
   (a fresh server);
 - suffix-warm: the same after the warm-up half was answered (untimed) into the store;
-- auto-warm: --drafter auto (the draft model, n-grams, the store) after the same warm-up.
+- auto-warm: --drafter auto (the draft model, n-grams, the store) after the same warm-up;
+- suffix-warm-point (ask for it with --modes): suffix-warm with point-mass proposals at T > 0 instead of drafts
+  sampled from the store's counts (SuffixDrafter.sampled off), to choose between the two.
 
 Modes alternate order from repeat to repeat; every mode starts from a store of its own. Greedy output is compared
 with the target alone's; each answer's own-repeat share (what n-grams alone accepted of it) and answers that end
@@ -27,7 +29,7 @@ from pathlib import Path
 from specq.native.commands.demo import demo_pair
 from specq.native.core.settings import GenerationSettings
 from specq.native.core.template import TemplateFormatter, load_template
-from specq.native.drafters.suffix import SuffixStore
+from specq.native.drafters.suffix import SuffixDrafter, SuffixStore
 from specq.native.runtime.engine import Engine
 
 HERE = Path(__file__).parent
@@ -52,7 +54,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--temp", type=float, default=0.0)
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES), help="also: suffix-warm-point")
     ap.add_argument("--limit", type=int, default=0, help="only the first N requests of each half (smoke runs)")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -77,10 +79,11 @@ def main() -> None:
         for rep in range(a.repeat):
             for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
                 eng.provided["suffix"] = SuffixStore()
+                SuffixDrafter.sampled = not mode.endswith("-point")
                 drafter = {"baseline": "model", "ngram": "ngram", "auto-warm": "auto"}.get(mode, "suffix")
                 s = GenerationSettings(n_predict=a.n_predict, draft_max="auto", temp=a.temp, seed=rep,
                                        drafter=drafter).validate()
-                if mode.endswith("-warm"):
+                if "-warm" in mode:
                     for t in warm_toks:
                         ses.reset()
                         ses.generate(t, s).run()
