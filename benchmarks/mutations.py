@@ -158,6 +158,9 @@ MUTANTS = [
                                         "threshold drop (q sums below 1)",
            (("native/drafters/suffix.py", "return SparseDist(ids[keep], w[keep] / w[keep].sum())",
              "return SparseDist(ids[keep], w[keep])"),)),
+    Mutant("auto-evidence-pooled", "--drafter auto: a drafter's evidence keys ignored (one acceptance estimate "
+                                   "for a long match's copies and a short match's guesses)",
+           (("native/control/chooser.py", "self.keys = dict(keys or {})", "self.keys = {}"),)),
     Mutant("named-choice-repeats", "a named tool_choice lets the call grammar repeat (parallel_tool_calls' default "
                                    "kept): the answer may hold several calls",
            (("native/serving/tools.py", 'parallel is not False and kind != "function")', "parallel is not False)"),)),

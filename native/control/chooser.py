@@ -23,7 +23,12 @@ class DrafterChooser:
     against what it displaces: a plain token, or the best drafter's tokens at its rate.
 
     `model`: the drafter that drafts with the draft model (the prefill's draft timings and prompt agreement are
-    its); `memoryless`: drafters with no memory of the text, so nothing to catch up on (n-gram lookup)."""
+    its); `memoryless`: drafters with no memory of the text, so nothing to catch up on (n-gram lookup).
+
+    Evidence keys: a memoryless drafter may say, each step, what kind of proposal it has now (Drafter.evidence: the
+    suffix drafter, how long its match is and where from). Its acceptance is then learnt per key, in a controller
+    of its own (`keyed`; the drafter's pooled one learns every step too): a copy found by a 20-token match is
+    accepted far more often than a 3-token match's guess, and one pooled estimate prices both alike."""
 
     def __init__(self, cap: int, cost_ratio_priors: dict[str, float], probe_min: int = 16, probe_max: int = 64,
                  probe_k: int = 1, model: str | None = None, memoryless: Collection[str] = (), **kw):
@@ -32,10 +37,13 @@ class DrafterChooser:
         self.memoryless = frozenset(memoryless)
         self.shared = LengthController(cap, **kw)
         # one verify model (the target's cost does not depend on the drafter) and one account for all probes
+        self._args = dict(probe_min=probe_min, probe_max=probe_max, probe_k=probe_k, target=self.shared.target,
+                          budget=self.shared.budget, **kw)
+        self.ratios = dict(cost_ratio_priors)
         self.per: dict[str, LengthController] = {
-            name: LengthController(cap, cost_ratio_prior=ratio, probe_min=probe_min, probe_max=probe_max,
-                                probe_k=probe_k, target=self.shared.target, budget=self.shared.budget, **kw)
-            for name, ratio in cost_ratio_priors.items()}
+            name: LengthController(cap, cost_ratio_prior=ratio, **self._args) for name, ratio in self.ratios.items()}
+        self.keyed: dict[tuple[str, str], LengthController] = {}  # (memoryless drafter, evidence key): see above
+        self.keys: dict[str, str | None] = {}  # this step's evidence keys (choose)
         self.probe_min, self.probe_max, self.probe_k = probe_min, probe_max, probe_k
         self.schedule = ProbeSchedule(probe_min, probe_max, self.shared.schedule.probe_budget)
         self.n_plain_steps = 0
@@ -53,7 +61,7 @@ class DrafterChooser:
 
     def at(self, n_ctx: int, remaining: int | None = None) -> None:
         """The next steps run at a context of n_ctx tokens (LengthController.at, for every drafter)."""
-        for c in (self.shared, *self.per.values()):
+        for c in (self.shared, *self.per.values(), *self.keyed.values()):
             c.at(n_ctx, remaining)
 
     def calibration_points(self, first: int, last: int, with_draft: bool) -> list[tuple[int, int]]:
@@ -73,6 +81,8 @@ class DrafterChooser:
         useless and a good draft")."""
         for name, c in self.per.items():
             c.new_answer(copies=name in self.memoryless)
+        for c in self.keyed.values():
+            c.new_answer(copies=True)
         self.behind = dict.fromkeys(self.behind, 0)
         for name in self.run:
             self._end_run(name)
@@ -107,9 +117,22 @@ class DrafterChooser:
         """The per-step overhead, as measured over every step."""
         return self.shared.overhead
 
-    def _best(self, name: str, limit: int, per_token: float = 0.0) -> tuple[int, float]:
-        """A drafter's best (k, tokens/s) within `limit` and its reach, on the shared verify cost and overhead."""
-        return self.per[name].near_best(min(limit, self.cap), self.shared.overhead, per_token)
+    def _ctl(self, name: str) -> LengthController:
+        """The controller that prices a drafter's proposal this step: its evidence key's, where it gave one."""
+        key = self.keys.get(name)
+        if key is None or name not in self.memoryless:
+            return self.per[name]
+        c = self.keyed.get((name, key))
+        if c is None:
+            c = self.keyed[(name, key)] = LengthController(self.cap, cost_ratio_prior=self.ratios[name], **self._args)
+            c.at(self.shared.n_ctx, self.shared.remaining)
+        return c
+
+    def _best(self, name: str, limit: int, per_token: float = 0.0, pooled: bool = False) -> tuple[int, float]:
+        """A drafter's best (k, tokens/s) within `limit` and its reach, on the shared verify cost and overhead (by
+        its evidence key's acceptance, or `pooled`)."""
+        c = self.per[name] if pooled else self._ctl(name)
+        return c.near_best(min(limit, self.cap), self.shared.overhead, per_token)
 
     def _owed(self, name: str) -> float:
         """Seconds a token: the catch-up a drafter with a memory of the text owes on what others emitted since it
@@ -130,9 +153,10 @@ class DrafterChooser:
             mean = self.run_mean[name]
             self.run_mean[name] = float(n) if mean is None else mean + RUN_EMA * (n - mean)
 
-    def choose(self, limits: dict[str, int]) -> Choice:
+    def choose(self, limits: dict[str, int], keys: dict[str, str | None] | None = None) -> Choice:
         """The drafter and draft length for the next step (Choice(None, 0): plain decoding); limits: the most each
-        available drafter may draft now (an n-gram proposal is only as long as what followed its match).
+        available drafter may draft now (an n-gram proposal is only as long as what followed its match); keys: their
+        evidence keys (see the class's docstring).
 
         A drafter with a memory of the text (a draft model, an MTP head) must later decode every token emitted
         without it: while it would beat plain decoding, each token another drafter or plain decoding emits is
@@ -141,6 +165,7 @@ class DrafterChooser:
         tokens to come (_owed): near an answer's end, after a long copy, it loses to plain decoding and nothing more
         is charged."""
         self.n_steps += 1
+        self.keys = dict(keys or {})
         sh = self.shared
         owed = {name: self._owed(name) for name, limit in limits.items() if limit > 0}
         own = {name: self._best(name, limits[name], owed[name]) for name in owed}
@@ -166,7 +191,7 @@ class DrafterChooser:
         is due to be explored (_explore)."""
         self.schedule.drafting()
         self.explore_interval[best] = self.probe_min
-        self.per[best].chosen()
+        self._ctl(best).chosen()
         other = self._explore(best, pace_s, limits)
         if other is not None:
             lim = min(limits[other], self.cap)
@@ -188,7 +213,7 @@ class DrafterChooser:
         for name in sorted(self.memoryless & self.per.keys()):
             if name in limits:
                 for least in range(1, self.cap + 1):
-                    k, rate = self._best(name, least, charge)
+                    k, rate = self._best(name, least, charge, pooled=True)
                     if k > 0 and rate * pace_s > 1.0:
                         return Handover(name, least)
         return None
@@ -201,13 +226,13 @@ class DrafterChooser:
         probe_interval steps (or the drafter's own, longer when its probes cost more than probe_budget)."""
         self.schedule.plain_step()
         streak = self.schedule.plain_streak
-        due = [n for n, lim in limits.items() if lim > 0 and self.per[n].could_pay(min(lim, self.cap))
-               and streak > self.per[n].probe_gap(self.schedule.interval)
-               and self.per[n].may_probe(self.behind[n])]
+        due = [n for n, lim in limits.items() if lim > 0 and self._ctl(n).could_pay(min(lim, self.cap))
+               and streak > self._ctl(n).probe_gap(self.schedule.interval)
+               and self._ctl(n).may_probe(self.behind[n])]
         if due:
             name = min(due, key=lambda n: self.last_used[n])
-            self.schedule.probe(self.per[name].thin_evidence())
-            self.per[name].mark_probe()
+            self.schedule.probe(self._ctl(name).thin_evidence())
+            self._ctl(name).mark_probe()
             self.n_probes += 1
             return Choice(self._use(name), min(self.probe_k, limits[name], self.cap))
         self.n_plain_steps += 1
@@ -223,7 +248,7 @@ class DrafterChooser:
         for name, lim in limits.items():
             if name == best or lim <= 0:
                 continue
-            c = self.per[name]
+            c = self._ctl(name)
             since = self.n_steps - self.last_used[name]
             due = since >= 2 if c.thin_evidence() else since > self.explore_interval[name]
             if due and c.could_pay(min(lim, self.cap)) and c.may_probe(self.behind[name], pace_s):
@@ -243,6 +268,9 @@ class DrafterChooser:
         self.shared.observe(replace(step, draft_token_s=None, first_token_s=None, catchup=None))
         if step.drafter is not None and step.n_drafted:
             self.per[step.drafter].observe(step)
+            keyed = self._ctl(step.drafter)
+            if keyed is not self.per[step.drafter]:
+                keyed.observe(step)
         explored, self.exploring = self.exploring, None
         if explored is not None and explored[0] == step.drafter and not step.shared:
             # an exploration's measured loss against the displaced drafter's tokens (a gain pays back)

@@ -166,6 +166,11 @@ class Drafter:
         """The most it could propose now, at most n_max (--drafter auto weighs drafters by it)."""
         return n_max
 
+    def evidence(self, n_max: int, s: GenerationSettings) -> str | None:
+        """What kind of proposal it has now, for --drafter auto to learn acceptance by (DrafterChooser's evidence
+        keys; a drafter with no memory of the text only). None by default: one estimate for all its proposals."""
+        return None
+
     def lookahead(self, drafts: list[int], n: int, s: GenerationSettings) -> int:
         """How many tokens (at most n) it would propose were the history followed by `drafts` (--drafter auto hands
         a draft model's step over to it there: Session.until). 0 by default: it does not say."""

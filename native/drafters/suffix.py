@@ -38,7 +38,7 @@ import numpy as np
 
 from ...atomic import atomic_output
 from ..core.sampling import Sampling, SparseDist, sample
-from .base import AUTO, Drafter, Proposal
+from .base import Drafter, Proposal
 from .ngram import only_grew, point_mass
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ KEY = 3  # tokens an occurrence is looked up by: the shortest match that drafts
 MAX_DEPTH = 24  # the longest ending matched (vLLM's suffix_decoding_max_tree_depth)
 MAX_SPEC_FACTOR = 1.0  # a draft is at most this many times the match's length (vLLM's default)
 MIN_TOKEN_PROB = 0.1  # a path stops where its estimated probability falls below this (vLLM's default)
+EVIDENCE_MATCH = (KEY, 6, 12, 24)  # match lengths --drafter auto learns acceptance apart from (evidence)
 MAX_CANDIDATES = 64  # the most recent occurrences of an ending's last KEY tokens looked at
 STORE_TOKENS = 1_000_000  # the store's bounds (oldest answers out first)
 STORE_ANSWERS = 10_000
@@ -376,23 +377,28 @@ class SuffixDrafter(Drafter):
         self.text.extend(0, hist[len(seq):])
 
     def _path(self, n_max: int, s: GenerationSettings) -> tuple[Continuation, str]:
-        """The path to propose and its source. Under --drafter auto only the store's: the n-gram drafter already
-        drafts from the request's own text, and with an empty store (a server's first requests) this one then
-        never proposes, so auto pays nothing to explore it."""
+        """The path to propose and its source (under --drafter auto too: its longer matches than the n-gram
+        lookup's, learnt apart by evidence, are what auto picks it for on copies)."""
         hist = self.session.history
         if self._cached is not None and self._cached[:2] == (len(hist), n_max):
             return self._cached[2:]
         store = self.shared.index.path(hist, n_max) if self.shared is not None else NO_PATH
-        own = NO_PATH
-        if s.drafters != (AUTO,):
-            self._sync()
-            own = self.text.path(hist, n_max)
+        self._sync()
+        own = self.text.path(hist, n_max)
         path, source = (store, "store") if store.expected > own.expected else (own, "text")
         self._cached = (len(hist), n_max, path, source)
         return path, source
 
     def limit(self, n_max: int, s: GenerationSettings) -> int:
         return len(self._path(n_max, s)[0].tokens)
+
+    def evidence(self, n_max: int, s: GenerationSettings) -> str | None:
+        """Where its path comes from and how long a match it grew from (at least 3, 6, 12 or 24 tokens): a long
+        match is a copy, accepted far more often than a short one's guess (--drafter auto learns each apart)."""
+        path, source = self._path(n_max, s)
+        if not path.tokens:
+            return None
+        return f"{source}:{max(b for b in EVIDENCE_MATCH if b <= path.match)}"
 
     def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
         path, source = self._path(n_max, s)

@@ -330,7 +330,8 @@ class Generation:
             return n_draft_max, None
         ctrl.at(len(ses.history), remaining)
         if isinstance(ctrl, DrafterChooser):
-            choice = ctrl.choose(ses.auto_limits(s, max(n_draft_max, 0)))
+            n = max(n_draft_max, 0)
+            choice = ctrl.choose(ses.auto_limits(s, n), ses.auto_keys(s, n))
             ses.until = handover_rule(ses, s, self._p, choice.handover)
             return choice.k, (choice.drafter,) if choice.drafter else ()
         return ctrl.choose(n_draft_max), None

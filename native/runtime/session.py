@@ -92,6 +92,10 @@ class Session:
         """--drafter auto: the most each available drafter could draft this step."""
         return {name: self.drafters[name].limit(n_draft_max, s) for name in self.available_drafters(s)}
 
+    def auto_keys(self, s: GenerationSettings, n_draft_max: int) -> dict[str, str | None]:
+        """--drafter auto: what kind of proposal each available drafter has now (Drafter.evidence)."""
+        return {name: self.drafters[name].evidence(n_draft_max, s) for name in self.available_drafters(s)}
+
     def rewind(self) -> None:
         """Roll every memory back to the committed history (the target holds all but the last token)."""
         self.tgt.truncate(common_prefix(self.tgt.tokens, self.history[:-1]))
