@@ -160,6 +160,17 @@ def test_a_pair_manifest_and_a_preset_may_name_the_drafter(tiny_target, tmp_path
         parse_preset(doc, "x")
 
 
+def simulated_step(c: DrafterChooser, rng, name: str | None, k: int, alpha: dict, draft_ms: dict) -> None:
+    """A step the chooser chose (name, k), run on paper: each drafted token accepted with the drafter's alpha in
+    a row, drafting at draft_ms a token, the verify 10 ms + 0.5 ms a row; the chooser told the outcome."""
+    a = 0
+    while a < k and rng.random() < alpha.get(name, 0.0):
+        a += 1
+    ms = draft_ms.get(name, 0.0)
+    c.observe(StepOutcome(k, a, ms / 1e3 if name and k > 1 else None, (10.0 + 0.5 * (k + 1)) / 1e3, 0.0,
+                          ms * k / 1e3, ms / 1e3 if name else None, drafter=name))
+
+
 def test_a_drafter_that_lost_early_is_tried_again_when_the_text_changes():
     # The model drafter pays all along (90%, dear); the n-grams are useless for 100 steps (a text with nothing
     # to copy), then right 95% of the time (the answer starts quoting the prompt), where they beat the model.
@@ -172,13 +183,8 @@ def test_a_drafter_that_lost_early_is_tried_again_when_the_text_changes():
         late = {}
         for i in range(500):
             name, k = c.choose({"ngram": 8, "model": 16})[:2]
-            alpha = {"model": 0.9, "ngram": 0.0 if i < 100 else 0.95}.get(name, 0.0)
-            a = 0
-            while a < k and rng.random() < alpha:
-                a += 1
-            draft_ms = {"model": 4.0, "ngram": 0.05}.get(name, 0.0)
-            c.observe(StepOutcome(k, a, draft_ms / 1e3 if name and k > 1 else None, (10.0 + 0.5 * (k + 1)) / 1e3,
-                                  0.0, draft_ms * k / 1e3, draft_ms / 1e3 if name else None, drafter=name))
+            simulated_step(c, rng, name, k, {"model": 0.9, "ngram": 0.0 if i < 100 else 0.95},
+                           {"model": 4.0, "ngram": 0.05})
             if i >= 400:
                 late[name] = late.get(name, 0) + 1
         assert late.get("ngram", 0) > 0.8 * 100, (seed, late)
@@ -197,13 +203,8 @@ def test_auto_learns_a_drafters_acceptance_by_its_evidence_key():
     for i in range(600):
         key = "text:24" if rng.random() < 0.5 else "text:3"
         name, k = c.choose({"suffix": 16 if key == "text:24" else 3, "model": 16}, {"suffix": key, "model": None})[:2]
-        alpha = {"model": 0.9, "suffix": 0.97 if key == "text:24" else 0.2}.get(name, 0.0)
-        a = 0
-        while a < k and rng.random() < alpha:
-            a += 1
-        draft_ms = {"model": 1.0, "suffix": 0.05}.get(name, 0.0)
-        c.observe(StepOutcome(k, a, draft_ms / 1e3 if name and k > 1 else None, (10.0 + 0.5 * (k + 1)) / 1e3,
-                              0.0, draft_ms * k / 1e3, draft_ms / 1e3 if name else None, drafter=name))
+        simulated_step(c, rng, name, k, {"model": 0.9, "suffix": 0.97 if key == "text:24" else 0.2},
+                       {"model": 1.0, "suffix": 0.05})
         if i >= 300:
             picked[key][name] = picked[key].get(name, 0) + 1
     long, short = picked["text:24"], picked["text:3"]
