@@ -161,6 +161,10 @@ MUTANTS = [
     Mutant("auto-evidence-pooled", "--drafter auto: a drafter's evidence keys ignored (one acceptance estimate "
                                    "for a long match's copies and a short match's guesses)",
            (("native/control/chooser.py", "self.keys = dict(keys or {})", "self.keys = {}"),)),
+    Mutant("guide-foreign-matcher", "a constraint compiled for another (closed) model used as it is: its matcher "
+                                    "keeps that model's freed vocabulary pointer",
+           (("native/core/constraint.py", "if c.compiled is None or not compiled_for(model, c):",
+             "if c.compiled is None:"),)),
     Mutant("named-choice-repeats", "a named tool_choice lets the call grammar repeat (parallel_tool_calls' default "
                                    "kept): the answer may hold several calls",
            (("native/serving/tools.py", 'parallel is not False and kind != "function")', "parallel is not False)"),)),

@@ -98,6 +98,25 @@ def test_an_ngram_proposal_is_cut_at_the_first_token_the_grammar_forbids(tiny_ta
     assert free.tokens != g.tokens  # the grammar changed the answer
 
 
+def test_a_constraint_compiled_for_a_closed_model_is_compiled_again_for_the_next(tiny_target):
+    # A matcher keeps its model's vocabulary pointer (llguidance tokenizes through it): once that model is closed,
+    # a Guide must not use the matcher with another model (a use after free: a segfault in CI, now and then).
+    from specq.native.core import constraint
+    from specq.native.core.constraint import compiled_for
+    from specq.native.llama.guidance import lltokenizer
+
+    with Engine(tiny_target, ctx=128, threads=1) as one:
+        c = constrained(one, ABC)
+        assert compiled_for(one.target, c)
+    with Engine(tiny_target, ctx=128, threads=1) as e:
+        assert not compiled_for(e.target, c)
+        g = e.session().generate(e.tokenize("abc"), GenerationSettings(n_predict=8, constraint=c),
+                                 speculative=False).run()
+        key = (id(lltokenizer(e.target)), c.kind, c.text, c.lenient)
+        assert key in constraint._COMPILED  # the Guide compiled it for this model
+    assert g.text and set(g.text) <= set("abc")
+
+
 def test_constrained_and_free_sequences_share_a_batch_and_each_equals_its_answer_alone(tiny_target, tiny_close):
     prompts = [PROMPT, "The quick brown fox", "for i in range(10):"]
     with Engine(tiny_target, tiny_close, ctx=256, threads=1) as one:

@@ -127,6 +127,17 @@ def compile_constraint(model: Model, c: Constraint, timeout_s: float = COMPILE_T
     return replace(c, compiled=got)
 
 
+def compiled_for(model: Model, c: Constraint) -> bool:
+    """Whether c's matcher was compiled for this model's tokenizer (compile_constraint's cache holds it there). A
+    matcher made for another model keeps that model's vocabulary pointer, which is freed once it closes: never
+    used with another."""
+    from ..llama.guidance import lltokenizer
+
+    with _LOCK:
+        got = _COMPILED.get((id(lltokenizer(model)), c.kind, c.text, c.lenient))
+    return got is not None and got[1] is c.compiled
+
+
 def apply_mask(row: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     """A copy of a logits row with every id the mask does not allow at -inf (ids past the mask's end too)."""
     out = np.full(row.shape[0], -np.inf, np.float32)
@@ -141,8 +152,8 @@ class Guide:
     committed tokens and drafts[:i] (None before the `after` marker)."""
 
     def __init__(self, c: Constraint, model: Model, done: list[int], clock: Callable[[], float] = time.perf_counter):
-        if c.compiled is None:
-            c = compile_constraint(model, c)
+        if c.compiled is None or not compiled_for(model, c):
+            c = compile_constraint(model, replace(c, compiled=None))
         self.m = c.compiled.deep_copy()
         from ..llama.guidance import lltokenizer
 
