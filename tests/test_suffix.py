@@ -249,14 +249,19 @@ def fixture_store(e: Engine, toks: list[int], law: dict) -> SuffixStore:
     return store
 
 
+def store_q(store: SuffixStore, toks: list[int], y: int):
+    """The store's count law (q) at the first drafted position, after the prompt and first token y."""
+    at, _ = store.index.occurrences(toks + [y])
+    return suffix.count_law(suffix.followers(at, 0), None)
+
+
 def tv_to_target(store: SuffixStore, toks: list[int], law: dict) -> float:
     """The least total variation, over the first tokens, between q at the first drafted position and p."""
     worst = 1.0
     firsts = {y for y, _ in law}
     for y in firsts:
-        at, match = store.index.occurrences(toks + [y])
-        q = suffix.count_law(suffix.followers(at, 0), None)
-        p_y = sum(p for (a, _), p in law.items() if a == y)
+        q = store_q(store, toks, y)
+        p_y = first_law(law)[y]
         p = {x: pr / p_y for (a, x), pr in law.items() if a == y}
         worst = min(worst, 0.5 * sum(abs(p.get(t, 0.0) - q.prob_of(t)) for t in set(p) | set(q.ids.tolist())))
     return worst
@@ -291,8 +296,7 @@ def first_law(law: dict) -> dict:
 
 def accept_rate(store: SuffixStore, toks: list[int], law: dict, y: int) -> float:
     """Σ min(p, q) at the drafted position after first token y: p the target's law, q the store's count law."""
-    at, _ = store.index.occurrences(toks + [y])
-    q = suffix.count_law(suffix.followers(at, 0), None)
+    q = store_q(store, toks, y)
     p_y = first_law(law)[y]
     return sum(min(pr / p_y, q.prob_of(x)) for (a, x), pr in law.items() if a == y)
 

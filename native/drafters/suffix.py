@@ -158,6 +158,11 @@ def followers(at: list[tuple[list[int], int]], depth: int) -> dict[int, int]:
     return counts
 
 
+def on_path(at: list[tuple[list[int], int]], depth: int, tok: int) -> list[tuple[list[int], int]]:
+    """The occurrences of `at` that `tok` followed, `depth` tokens after the match."""
+    return [(seq, pos) for seq, pos in at if pos + depth < len(seq) and seq[pos + depth] == tok]
+
+
 def grow(at: list[tuple[list[int], int]], match: int, n_max: int) -> Continuation:
     """The path from the occurrences `at` (each a sequence and the position after the match): each token the one
     that followed most often among those still on the path, while the path's probability (the product of the
@@ -165,9 +170,9 @@ def grow(at: list[tuple[list[int], int]], match: int, n_max: int) -> Continuatio
     most = min(n_max, int(MAX_SPEC_FACTOR * match))
     tokens: list[int] = []
     probs: list[float] = []
-    p = 1.0
+    p, depth = 1.0, 0
     while at and len(tokens) < most:
-        counts = followers(at, len(tokens))
+        counts = followers(at, depth)
         if not counts:
             break
         tok = max(counts, key=counts.__getitem__)
@@ -176,7 +181,8 @@ def grow(at: list[tuple[list[int], int]], match: int, n_max: int) -> Continuatio
             break
         tokens.append(tok)
         probs.append(p)
-        at = [(seq, pos) for seq, pos in at if pos + len(tokens) - 1 < len(seq) and seq[pos + len(tokens) - 1] == tok]
+        at = on_path(at, depth, tok)
+        depth += 1
     return Continuation(tokens, probs, match)
 
 
@@ -217,7 +223,7 @@ def draw(at: list[tuple[list[int], int]], match: int, n_max: int, samp: Sampling
         p *= counts[tok] / len(at)
         drafts.append(tok)
         dists.append(q)
-        at = [(seq, pos) for seq, pos in at if pos + depth < len(seq) and seq[pos + depth] == tok]
+        at = on_path(at, depth, tok)
     return drafts, dists
 
 
@@ -353,7 +359,8 @@ class SuffixDrafter(Drafter):
     def __init__(self, session):
         super().__init__(session)
         self.text = SuffixIndex()  # this session's history, as one sequence (id 0)
-        self._cached: tuple[int, int, Continuation, str] | None = None  # (history length, n_max, path, source)
+        # (history length, n_max, path, source, the occurrences the path grew from)
+        self._cached: tuple[int, int, Continuation, str, list] | None = None
         self.on = False  # the running generation may draft with it (attach)
 
     @classmethod
@@ -376,39 +383,39 @@ class SuffixDrafter(Drafter):
             self.text, seq = SuffixIndex(), []
         self.text.extend(0, hist[len(seq):])
 
-    def _path(self, n_max: int, s: GenerationSettings) -> tuple[Continuation, str]:
-        """The path to propose and its source (under --drafter auto too: its longer matches than the n-gram
-        lookup's, learnt apart by evidence, are what auto picks it for on copies)."""
+    def _lookup(self, n_max: int) -> tuple[Continuation, str, list]:
+        """The path to propose, its source and the occurrences it grew from (a sampled draft draws along them);
+        looked up once a step. Under --drafter auto too: its longer matches than the n-gram lookup's, learnt apart
+        by evidence, are what auto picks it for on copies."""
         hist = self.session.history
         if self._cached is not None and self._cached[:2] == (len(hist), n_max):
             return self._cached[2:]
-        store = self.shared.index.path(hist, n_max) if self.shared is not None else NO_PATH
+        store_at, store_match = self.shared.index.occurrences(hist) if self.shared is not None else ([], 0)
         self._sync()
-        own = self.text.path(hist, n_max)
-        path, source = (store, "store") if store.expected > own.expected else (own, "text")
-        self._cached = (len(hist), n_max, path, source)
-        return path, source
+        own_at, own_match = self.text.occurrences(hist)
+        store, own = grow(store_at, store_match, n_max), grow(own_at, own_match, n_max)
+        got = (store, "store", store_at) if store.expected > own.expected else (own, "text", own_at)
+        self._cached = (len(hist), n_max, *got)
+        return got
 
     def limit(self, n_max: int, s: GenerationSettings) -> int:
-        return len(self._path(n_max, s)[0].tokens)
+        return len(self._lookup(n_max)[0].tokens)
 
     def evidence(self, n_max: int, s: GenerationSettings) -> str | None:
         """Where its path comes from and how long a match it grew from (at least 3, 6, 12 or 24 tokens): a long
         match is a copy, accepted far more often than a short one's guess (--drafter auto learns each apart)."""
-        path, source = self._path(n_max, s)
+        path, source, _ = self._lookup(n_max)
         if not path.tokens:
             return None
         return f"{source}:{max(b for b in EVIDENCE_MATCH if b <= path.match)}"
 
     def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
-        path, source = self._path(n_max, s)
+        path, source, at = self._lookup(n_max)
         if samp.draft_tf is None or not path.tokens:
             return Proposal(list(path.tokens), source=source)
         if not self.sampled:
             return Proposal(list(path.tokens), [point_mass(t) for t in path.tokens], source=source)
-        index = self.shared.index if source == "store" else self.text
-        at, match = index.occurrences(self.session.history)
-        drafts, dists = draw(at, match, n_max, samp)
+        drafts, dists = draw(at, path.match, n_max, samp)
         return Proposal(drafts, dists, source=source)
 
     def attach(self, on: bool) -> None:
