@@ -8,7 +8,10 @@ measured half's requests in order, on one engine, per mode:
 - suffix-warm: the same after the warm-up half was answered (untimed) into the store;
 - auto-warm: --drafter auto (the draft model, n-grams, the store) after the same warm-up;
 - suffix-warm-point (ask for it with --modes): suffix-warm with point-mass proposals at T > 0 instead of drafts
-  sampled from the store's counts (SuffixDrafter.sampled off), to choose between the two.
+  sampled from the store's counts (SuffixDrafter.sampled off), to choose between the two;
+- lookup, lookup-cached (ask for them with --modes and --llama-bin): llama.cpp's `llama-lookup` from the same
+  vendored tree, its context-level n-gram cache alone, or with static and dynamic cache files made from the
+  warm-up half (llama_lookup.py), drafting at most --lookup-draft tokens.
 
 Modes alternate order from repeat to repeat; every mode starts from a store of its own. Greedy output is compared
 with the target alone's; each answer's own-repeat share (what n-grams alone accepted of it) and answers that end
@@ -24,7 +27,10 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 from pathlib import Path
+
+from llama_lookup import lookup, warm_caches  # noqa: E402 (benchmarks/ is the script's folder)
 
 from specq.native.commands.demo import demo_pair
 from specq.native.core.settings import GenerationSettings
@@ -46,6 +52,14 @@ def loops(tokens: list[int]) -> bool:
     return len(tokens) >= 48 and len(set(tokens[-32:])) <= 4
 
 
+def report(runs: list[dict], mode: str, rep: int) -> None:
+    rows = [r for r in runs if r["mode"] == mode and r["repeat"] == rep]
+    tps = 1e3 * sum(r["n_generated"] for r in rows) / sum(r["gen_ms"] for r in rows)
+    print(f"rep {rep} {mode:12s} {tps:6.1f} tok/s  drafted {sum(r['n_drafted'] for r in rows)} accepted "
+          f"{sum(r['n_accepted'] for r in rows)}  store {sum(r.get('n_accepted_store', 0) for r in rows)}"
+          f"/{sum(r.get('n_drafted_store', 0) for r in rows)}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", default=str(HERE / "prompts" / "agentic.jsonl"))
@@ -54,7 +68,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--temp", type=float, default=0.0)
-    ap.add_argument("--modes", default=",".join(MODES), help="also: suffix-warm-point")
+    ap.add_argument("--modes", default=",".join(MODES), help="also: suffix-warm-point, lookup, lookup-cached")
+    ap.add_argument("--llama-bin", type=Path, help="folder with llama-lookup and llama-lookup-create (lookup modes)")
+    ap.add_argument("--lookup-draft", type=int, default=8, help="llama-lookup --spec-draft-n-max")
     ap.add_argument("--limit", type=int, default=0, help="only the first N requests of each half (smoke runs)")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -70,7 +86,14 @@ def main() -> None:
         def tokens(row: dict) -> list[int]:
             return eng.tokenize(fmt.render(row["messages"]))
 
+        def piece_text(toks: list[int]) -> str:
+            """The answer as llama-lookup prints it (special tokens written out)."""
+            return b"".join(eng.target.piece(t) for t in toks).decode("utf-8", "replace")
+
         warm_toks, toks = [tokens(r) for r in warmup], [tokens(r) for r in measured]
+        raw = [fmt.render(r["messages"]) for r in measured]
+        raw_warm = [fmt.render(r["messages"]) for r in warmup]
+        work = Path(tempfile.mkdtemp(prefix="agentic-lookup-"))
         ses = eng.session()
         # untimed: the weights paged in and every drafter's first run behind us
         for drafter in ("model", "ngram", "suffix"):
@@ -78,6 +101,15 @@ def main() -> None:
             ses.generate(warm_toks[0], GenerationSettings(n_predict=16, drafter=drafter)).run()
         for rep in range(a.repeat):
             for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
+                if mode.startswith("lookup"):
+                    static = dynamic = None
+                    if mode == "lookup-cached":
+                        static, dynamic = warm_caches(a.llama_bin, target, raw_warm, work, a, a.lookup_draft)
+                    for i, prompt in enumerate(raw):
+                        r = lookup(a.llama_bin, target, prompt, work, a, rep, a.lookup_draft, static, dynamic)
+                        runs.append({"mode": mode, "repeat": rep, "request": measured[i]["name"], **r})
+                    report(runs, mode, rep)
+                    continue
                 eng.provided["suffix"] = SuffixStore()
                 SuffixDrafter.sampled = not mode.endswith("-point")
                 drafter = {"baseline": "model", "ngram": "ngram", "auto-warm": "auto"}.get(mode, "suffix")
@@ -92,15 +124,13 @@ def main() -> None:
                     g = ses.generate(t, s, speculative=mode != "baseline").run()
                     st = g.stats
                     runs.append({"mode": mode, "repeat": rep, "request": measured[i]["name"], "tokens": g.tokens,
+                                 **({"text": piece_text(g.tokens)} if mode == "baseline" else {}),
                                  "n_generated": st.n_generated, "gen_ms": st.gen_ms, "n_drafted": st.n_drafted,
                                  "n_accepted": st.n_accepted, "n_drafted_by": dict(st.n_drafted_by),
                                  "n_accepted_by": dict(st.n_accepted_by), "n_drafted_store": st.n_drafted_store,
                                  "n_accepted_store": st.n_accepted_store, "n_drafted_text": st.n_drafted_text,
                                  "n_accepted_text": st.n_accepted_text})
-                rows = [r for r in runs if r["mode"] == mode and r["repeat"] == rep]
-                tps = 1e3 * sum(r["n_generated"] for r in rows) / sum(r["gen_ms"] for r in rows)
-                print(f"rep {rep} {mode:12s} {tps:6.1f} tok/s  store {sum(r['n_accepted_store'] for r in rows)}"
-                      f"/{sum(r['n_drafted_store'] for r in rows)}", file=sys.stderr, flush=True)
+                report(runs, mode, rep)
     per = {m: [] for m in modes}
     for m in modes:
         for rep in range(a.repeat):
@@ -108,8 +138,20 @@ def main() -> None:
             per[m].append(1e3 * sum(r["n_generated"] for r in rows) / sum(r["gen_ms"] for r in rows))
     med = {m: statistics.median(v) for m, v in per.items()}
     base = {(r["repeat"], r["request"]): r["tokens"] for r in runs if r["mode"] == "baseline"}
-    identical = {m: all(r["tokens"] == base.get((r["repeat"], r["request"]), r["tokens"])
-                        for r in runs if r["mode"] == m) for m in modes}
+    base_text = {(r["repeat"], r["request"]): r["text"] for r in runs if r["mode"] == "baseline"}
+
+    def same(r: dict) -> bool:
+        """Whether a run's answer is the target alone's (llama-lookup's as text, which may run a step past -n)."""
+        key = (r["repeat"], r["request"])
+        if key not in base:
+            return True
+        if "tokens" not in r:
+            return r["text"].startswith(base_text[key]) or base_text[key].startswith(r["text"])
+        return r["tokens"] == base[key]
+
+    identical = {m: all(same(r) for r in runs if r["mode"] == m) for m in modes}
+    if a.llama_bin is not None:
+        sys.argv = ["<llama.cpp build>/bin" if x == str(a.llama_bin) else x for x in sys.argv]  # no path of ours
     ngram_rows = [r for r in runs if r["mode"] == "ngram" and r["repeat"] == 0]
     doc = {"machine": {"cpu": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
                                     if ln.startswith("model name")), "?"), "python": platform.python_version()},

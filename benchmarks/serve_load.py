@@ -97,14 +97,16 @@ class Server:
         self._f.close()
 
 
-def one_request(client, model: str, prompt: str, max_tokens: int, extra: dict) -> dict:
-    """One streaming chat request: time to first token, latency, tokens (from usage; a server without
-    stream usage: max_tokens when it stopped for length, else its content chunks)."""
+def one_request(client, model: str, prompt: str | list[dict], max_tokens: int, extra: dict) -> dict:
+    """One streaming chat request (a prompt as one user message, or a conversation's messages): time to first
+    token, latency, tokens (from usage; a server without stream usage: max_tokens when it stopped for length,
+    else its content chunks)."""
     t0 = time.perf_counter()
     first = None
     chunks = 0
     usage = finish = None
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    stream = client.chat.completions.create(model=model, messages=messages,
                                             max_tokens=max_tokens, temperature=0, stream=True,
                                             stream_options={"include_usage": True}, extra_body=extra)
     text = []
@@ -124,7 +126,7 @@ def one_request(client, model: str, prompt: str, max_tokens: int, extra: dict) -
             "finish_reason": finish, "text": "".join(text)}
 
 
-def run_load(url: str, model: str, prompts: list[str], n_clients: int, n_requests: int, max_tokens: int,
+def run_load(url: str, model: str, prompts: list, n_clients: int, n_requests: int, max_tokens: int,
              extra: dict | None = None, texts: dict | None = None, label: str = "") -> dict:
     """N clients × R requests; `texts` collects each prompt's answers: {prompt index: {text: {who}}}."""
     import openai
@@ -164,6 +166,14 @@ def run_load(url: str, model: str, prompts: list[str], n_clients: int, n_request
         "usage_reported": all(r["usage_reported"] for r in rows),
         "finish_reasons": {f: sum(r["finish_reason"] == f for r in rows) for f in {r["finish_reason"] for r in rows}},
     }
+
+
+def chosen_kinds(ap: argparse.ArgumentParser, text: str, allowed: tuple[str, ...]) -> list[str]:
+    """--kinds: a comma-separated choice among `allowed` (a usage error otherwise)."""
+    kinds = [k.strip() for k in text.split(",")]
+    if not set(kinds) <= set(allowed):
+        ap.error(f"--kinds: choose from {', '.join(allowed)}")
+    return kinds
 
 
 def pct(sorted_values: list[float], p: float) -> float | None:

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from deep_pair import pair  # noqa: E402
-from serve_load import PROMPTS, Server, free_port, model_of, run_load  # noqa: E402
+from serve_load import PROMPTS, Server, chosen_kinds, free_port, model_of, run_load  # noqa: E402
 
 CTX = 2048  # one sequence's context (specq --ctx; llama-server -c N·CTX)
 KINDS = ("specq", "specq plain", "llama-server plain", "llama-server spec")
@@ -101,9 +101,7 @@ def main() -> None:
     a = ap.parse_args()
     target, draft = pair(a.pair)
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
-    kinds = [k.strip() for k in a.kinds.split(",")]
-    if not set(kinds) <= set(KINDS):
-        ap.error(f"--kinds: choose from {', '.join(KINDS)}")
+    kinds = chosen_kinds(ap, a.kinds, KINDS)
     load0 = os.getloadavg()
     rows, texts = [], {}
     with tempfile.TemporaryDirectory() as tmp:
