@@ -52,6 +52,12 @@ def loops(tokens: list[int]) -> bool:
     return len(tokens) >= 48 and len(set(tokens[-32:])) <= 4
 
 
+def formatter(eng: Engine) -> TemplateFormatter:
+    """The target's chat template (as bench --chat and serve render a conversation)."""
+    return TemplateFormatter.for_model(load_template(None, eng.target.chat_template(), str(eng.target.path)),
+                                       eng.target)
+
+
 def report(runs: list[dict], mode: str, rep: int) -> None:
     rows = [r for r in runs if r["mode"] == mode and r["repeat"] == rep]
     tps = 1e3 * sum(r["n_generated"] for r in rows) / sum(r["gen_ms"] for r in rows)
@@ -80,8 +86,9 @@ def main() -> None:
     modes = a.modes.split(",")
     target, draft = demo_pair()
     runs = []
-    with Engine(target, draft, ctx=a.ctx, threads=a.threads, mtp=None) as eng:
-        fmt = TemplateFormatter.for_model(load_template(None, eng.target.chat_template(), str(target)), eng.target)
+    with Engine(target, draft, ctx=a.ctx, threads=a.threads, mtp=None) as eng, \
+            tempfile.TemporaryDirectory(prefix="agentic-lookup-") as tmp:
+        fmt, work = formatter(eng), Path(tmp)
 
         def tokens(row: dict) -> list[int]:
             return eng.tokenize(fmt.render(row["messages"]))
@@ -93,7 +100,6 @@ def main() -> None:
         warm_toks, toks = [tokens(r) for r in warmup], [tokens(r) for r in measured]
         raw = [fmt.render(r["messages"]) for r in measured]
         raw_warm = [fmt.render(r["messages"]) for r in warmup]
-        work = Path(tempfile.mkdtemp(prefix="agentic-lookup-"))
         ses = eng.session()
         # untimed: the weights paged in and every drafter's first run behind us
         for drafter in ("model", "ngram", "suffix"):

@@ -10,14 +10,11 @@ llama-lookup stops after the step that passes -n, so it may print a few tokens m
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
 
-DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
-N_DRAFTED = re.compile(r"n_drafted\s+=\s+(\d+)")
-N_ACCEPT = re.compile(r"n_accept\s+=\s+(\d+)")
+from vs_llamacpp import DECODED, N_ACCEPT, N_DRAFTED  # llama.cpp's examples print the same summary lines
 
 
 def lookup(bin_dir: Path, target: Path, prompt: str, work: Path, a, seed: int, draft_max: int,

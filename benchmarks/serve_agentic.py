@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from agentic import load  # noqa: E402
+from agentic import formatter, load  # noqa: E402
 from deep_pair import pair  # noqa: E402
 from llama_lookup import warm_caches  # noqa: E402
 from serve_load import Server, chosen_kinds, free_port, model_of, run_load  # noqa: E402
@@ -124,11 +124,10 @@ def main() -> None:
 
 def rendered(target: Path, conversations: list[list[dict]]) -> list[str]:
     """The conversations as the target's chat template writes them (special tokens as text), for llama-lookup."""
-    from specq.native.core.template import TemplateFormatter, load_template
     from specq.native.runtime.engine import Engine
 
     with Engine(str(target), None, ctx=CTX, threads=1) as eng:
-        fmt = TemplateFormatter.for_model(load_template(None, eng.target.chat_template(), str(target)), eng.target)
+        fmt = formatter(eng)
         return [fmt.render(m) for m in conversations]
 
 

@@ -26,7 +26,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from agentic import load  # noqa: E402 (benchmarks/ is the script's folder)
+from agentic import formatter, load  # noqa: E402 (benchmarks/ is the script's folder)
 
 from specq.native.drafters import suffix as sx
 from specq.native.drafters.ngram import NgramIndex
@@ -37,14 +37,13 @@ HERE = Path(__file__).parent
 def record(out: Path) -> None:
     from specq.native.commands.demo import demo_pair
     from specq.native.core.settings import GenerationSettings
-    from specq.native.core.template import TemplateFormatter, load_template
     from specq.native.runtime.engine import Engine
 
     warmup, measured = load(HERE / "prompts" / "agentic.jsonl")
     target, draft = demo_pair()
     rows = {}
     with Engine(target, draft, ctx=4096, threads=2, mtp=None) as eng:
-        fmt = TemplateFormatter.for_model(load_template(None, eng.target.chat_template(), str(target)), eng.target)
+        fmt = formatter(eng)
         ses = eng.session()
         s = GenerationSettings(n_predict=96, draft_max="auto", drafter="ngram").validate()  # greedy: the target's
         for half, reqs in (("warmup", warmup), ("measured", measured)):

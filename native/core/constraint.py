@@ -109,7 +109,7 @@ def compile_constraint(model: Model, c: Constraint, timeout_s: float = COMPILE_T
         raise ConstraintError(f"the {'schema' if c.kind == 'json_schema' else 'grammar'} is {size} bytes, over "
                               f"the limit of {MAX_GRAMMAR_BYTES}; send a smaller one")
     tokenizer = lltokenizer(model)
-    key = (id(tokenizer), c.kind, c.text, c.lenient)  # an entry holds its tokenizer: the id stays its own
+    key = _cache_key(tokenizer, c)
     with _LOCK:
         got = _COMPILED.get(key)
         if got is not None:
@@ -134,8 +134,14 @@ def compiled_for(model: Model, c: Constraint) -> bool:
     from ..llama.guidance import lltokenizer
 
     with _LOCK:
-        got = _COMPILED.get((id(lltokenizer(model)), c.kind, c.text, c.lenient))
+        got = _COMPILED.get(_cache_key(lltokenizer(model), c))
     return got is not None and got[1] is c.compiled
+
+
+def _cache_key(tokenizer, c: Constraint) -> tuple:
+    """compile_constraint's cache key: a tokenizer and a constraint's text (an entry holds its tokenizer, so the
+    id stays its own)."""
+    return id(tokenizer), c.kind, c.text, c.lenient
 
 
 def apply_mask(row: np.ndarray, allowed: np.ndarray) -> np.ndarray:
