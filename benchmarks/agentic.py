@@ -18,6 +18,8 @@ with the target alone's; each answer's own-repeat share (what n-grams alone acce
 in a loop are listed.
 
     python benchmarks/agentic.py --repeat 3 --n-predict 96 --threads 2 --out benchmarks/results/agentic-demo-xeon2.json
+    python benchmarks/agentic.py --pair deep --repeat 1 --n-predict 96 --threads 2 --modes baseline,ngram,suffix-warm,auto-warm \
+        --out benchmarks/results/agentic-deep-greedy-xeon2.json
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llama_lookup import lookup, warm_caches  # noqa: E402 (benchmarks/ is the script's folder)
+from deep_pair import pair  # noqa: E402 (benchmarks/ is the script's folder)
+from llama_lookup import lookup, warm_caches  # noqa: E402
 
-from specq.native.commands.demo import demo_pair
 from specq.native.core.settings import GenerationSettings
 from specq.native.core.template import TemplateFormatter, load_template
 from specq.native.drafters.suffix import SuffixDrafter, SuffixStore
@@ -68,6 +70,7 @@ def report(runs: list[dict], mode: str, rep: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--pair", choices=("demo", "deep"), default="demo", help="deep: benchmarks/deep_pair.py's")
     ap.add_argument("--prompts", default=str(HERE / "prompts" / "agentic.jsonl"))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--n-predict", type=int, default=96)
@@ -84,7 +87,7 @@ def main() -> None:
     if a.limit:
         warmup, measured = warmup[:a.limit], measured[:a.limit]
     modes = a.modes.split(",")
-    target, draft = demo_pair()
+    target, draft = pair(a.pair)
     runs = []
     with Engine(target, draft, ctx=a.ctx, threads=a.threads, mtp=None) as eng, \
             tempfile.TemporaryDirectory(prefix="agentic-lookup-") as tmp:

@@ -12,10 +12,14 @@ The store holds the warm-up half's answers, and each measured answer once replay
 Rules: ngram (specq's n-gram lookup, ngram_min 3, ngram_max 6), suffix (the suffix drafter's path as built),
 suffix-text4 (the request's own text allowed 4x its match's length), hop (each token from the longest ending of the
 text and the path so far, in the index whose match is longer, while the path's probability stays ≥ 0.1).
+`--factor F` replays with the drafter's MAX_SPEC_FACTOR set to F (every suffix rule; hop has no cap). `--cut TAU`
+cuts each proposal where the acceptance learnt so far (over the replay, per evidence key — the suffix drafter's
+source and match bucket, or "ngram" — and depth, a prior of 1 in 2) falls below TAU, as a length controller that
+knew the key would; it learns from what the whole proposal would have had accepted.
 
     python benchmarks/suffix_replay.py --record /tmp/agentic-answers.json
     python benchmarks/suffix_replay.py --answers /tmp/agentic-answers.json --rules ngram,suffix,suffix-text4,hop \
-        [--oracle] > benchmarks/results/suffix_replay-demo.json
+        [--oracle] [--factor F] [--cut TAU] > benchmarks/results/suffix_replay-demo.json
 """
 
 from __future__ import annotations
@@ -54,26 +58,29 @@ def record(out: Path) -> None:
     out.write_text(json.dumps(rows))
 
 
-def ngram(hist: list[int], k: int, store: sx.SuffixStore, text: sx.SuffixIndex) -> list[int]:
+def ngram(hist: list[int], k: int, store: sx.SuffixStore, text: sx.SuffixIndex) -> tuple[list[int], str]:
     index = NgramIndex(6)
     index.sync(hist)
-    return index.propose(3, k)
+    return index.propose(3, k), "ngram"
 
 
-def suffix(hist: list[int], k: int, store: sx.SuffixStore, text: sx.SuffixIndex, text_factor: float = 1.0) -> list[int]:
+def suffix(hist: list[int], k: int, store: sx.SuffixStore, text: sx.SuffixIndex,
+           text_factor: float | None = None) -> tuple[list[int], str]:
     at, match = store.index.occurrences(hist)
     from_store = sx.grow(at, match, k)
     at, match = text.occurrences(hist)
-    factor, sx.MAX_SPEC_FACTOR = sx.MAX_SPEC_FACTOR, text_factor
+    factor = sx.MAX_SPEC_FACTOR
+    sx.MAX_SPEC_FACTOR = factor if text_factor is None else text_factor
     try:
         own = sx.grow(at, match, k)
     finally:
         sx.MAX_SPEC_FACTOR = factor
-    return (from_store if from_store.expected > own.expected else own).tokens
+    path, source = (from_store, "store") if from_store.expected > own.expected else (own, "text")
+    return path.tokens, f"{source}:{max((b for b in sx.EVIDENCE_MATCH if b <= path.match), default=0)}"
 
 
-def hop(hist: list[int], k: int, store: sx.SuffixStore, text: sx.SuffixIndex) -> list[int]:
-    path, p = [], 1.0
+def hop(hist: list[int], k: int, store: sx.SuffixStore, text: sx.SuffixIndex) -> tuple[list[int], str]:
+    path, p, first = [], 1.0, ""
     while len(path) < k:
         (sa, sm), (oa, om) = store.index.occurrences(hist + path), text.occurrences(hist + path)
         at, match = (oa, om) if om >= sm else (sa, sm)
@@ -84,20 +91,51 @@ def hop(hist: list[int], k: int, store: sx.SuffixStore, text: sx.SuffixIndex) ->
         p *= counts[tok] / len(at)
         if p < sx.MIN_TOKEN_PROB:
             break
+        first = first or f"{'text' if om >= sm else 'store'}:{max(b for b in sx.EVIDENCE_MATCH if b <= match)}"
         path.append(tok)
-    return path
+    return path, first
 
 
 RULES = {"ngram": ngram, "suffix": suffix, "hop": hop,
          "suffix-text4": lambda h, k, st, t: suffix(h, k, st, t, text_factor=4.0)}
 
 
-def replay(answers: dict, rule: str, k: int, oracle: bool) -> dict:
+class Cut:
+    """--cut TAU: acceptance learnt per (evidence key, depth) over the replay; a proposal is cut at the first depth
+    whose estimate (accepted + 1) / (reached + 2) is below TAU."""
+
+    def __init__(self, tau: float):
+        self.tau = tau
+        self.reached: dict = defaultdict(float)
+        self.accepted: dict = defaultdict(float)
+
+    def keep(self, key: str, n: int) -> int:
+        for j in range(n):
+            at = (key, min(j, 8))
+            if (self.accepted[at] + 1) / (self.reached[at] + 2) < self.tau:
+                return j
+        return n
+
+    def learn(self, key: str, n: int, n_accepted: int) -> None:
+        for j in range(min(n, n_accepted + 1)):
+            self.reached[(key, min(j, 8))] += 1
+            self.accepted[(key, min(j, 8))] += j < n_accepted
+
+
+def agreed(drafts: list[int], answer: list[int], i: int) -> int:
+    n = 0
+    while n < len(drafts) and i + n < len(answer) and drafts[n] == answer[i + n]:
+        n += 1
+    return n
+
+
+def replay(answers: dict, rule: str, k: int, oracle: bool, cut: float | None = None) -> dict:
     store = sx.SuffixStore()
     for r in answers.values():
         if r["half"] == "warmup":
             store.add(r["prompt"][-sx.PROMPT_TAIL:] + r["answer"])
     per = defaultdict(lambda: {"steps": 0, "drafted": 0, "accepted": 0, "cost": 0.0})
+    learnt = Cut(cut) if cut is not None else None
     for name, r in answers.items():
         if r["half"] != "measured":
             continue
@@ -105,10 +143,11 @@ def replay(answers: dict, rule: str, k: int, oracle: bool) -> dict:
         text = sx.SuffixIndex()
         text.extend(0, prompt)
         while i < len(answer):
-            drafts = RULES[rule](prompt + answer[:i], min(k, len(answer) - i), store, text)
-            n = 0
-            while n < len(drafts) and drafts[n] == answer[i + n]:
-                n += 1
+            proposed, key = RULES[rule](prompt + answer[:i], min(k, len(answer) - i), store, text)
+            drafts = proposed[:learnt.keep(key, len(proposed))] if learnt is not None else proposed
+            n = agreed(drafts, answer, i)
+            if learnt is not None:
+                learnt.learn(key, len(proposed), agreed(proposed, answer, i))
             rows = n if oracle else len(drafts)
             row = per[kind]
             row["steps"] += 1
@@ -129,6 +168,8 @@ def main() -> None:
     ap.add_argument("--rules", default="ngram,suffix,suffix-text4,hop")
     ap.add_argument("--k", type=int, default=16, help="the most tokens a step drafts")
     ap.add_argument("--oracle", action="store_true", help="price each draft cut at its accepted length")
+    ap.add_argument("--factor", type=float, help="the suffix drafter's MAX_SPEC_FACTOR for this replay")
+    ap.add_argument("--cut", type=float, help="cut proposals where the acceptance learnt per key and depth < CUT")
     a = ap.parse_args()
     if a.record:
         record(a.record)
@@ -136,7 +177,9 @@ def main() -> None:
     if not a.answers:
         ap.error("--record FILE or --answers FILE")
     answers = json.loads(a.answers.read_text())
-    out = {rule: replay(answers, rule, a.k, a.oracle) for rule in a.rules.split(",")}
+    if a.factor is not None:
+        sx.MAX_SPEC_FACTOR = a.factor
+    out = {rule: replay(answers, rule, a.k, a.oracle, a.cut) for rule in a.rules.split(",")}
     for rule, per in out.items():
         for kind, row in sorted(per.items()):
             print(f"{rule:13s} {kind:11s} steps {row['steps']:4d} drafted {row['drafted']:5d} "
