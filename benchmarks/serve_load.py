@@ -67,11 +67,12 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
 class Server:
     """A server subprocess on 127.0.0.1; `url` once it answers /v1/models."""
 
-    def __init__(self, argv: list[str], log: Path, port: int | None):
+    def __init__(self, argv: list[str], log: Path, port: int | None, env: dict | None = None):
         self.log = log
         self._f = open(log, "w")
         # as a user runs it: llama.cpp's own OpenMP settings (a PASSIVE wait policy once halved specq serve's speed)
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._f, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._f, stderr=subprocess.STDOUT,
+                                     env=None if env is None else {**os.environ, **env})
         try:
             if port is None:  # specq serve --port 0 prints the port it got
                 deadline = time.monotonic() + START_TIMEOUT_S

@@ -8,11 +8,13 @@ R greedy chat requests each (serve_load.run_load); "specq plain" is the same ser
 tokens over the wall time), median and p95 time to first token. Each server is restarted for each N (its -np,
 specq's --parallel). With --rounds R the servers take turns R times at each N and the ratios are of the medians
 over the rounds (every round's row is kept). Also: how many prompts got the same answer from every server at
-every N.
+every N; each load's target decodes per generated token from the servers' /metrics (`passes`: specq's
+specq:decodes, llama-server's n_decode_total with --metrics); and with --count-passes the passes over the
+weights themselves, counted from llama.cpp's batch debug log in one more, untimed load (count_passes).
 
     python benchmarks/serve_vs_llamaserver.py --llama-server PATH/llama-server [--pair demo|deep] \
         [--clients 1,4,8] [--requests 2] [--max-tokens 96] [--rounds 1] [--cpu-amx] [--spec-args=-nr] \
-        [--json benchmarks/results/serve_vs_llamaserver-X.json]
+        [--count-passes] [--json benchmarks/results/serve_vs_llamaserver-X.json]
 """
 
 from __future__ import annotations
@@ -44,17 +46,76 @@ def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str
                 "--parallel", str(n), "--draft-max", a.draft_max, "--max-queue", "64",
                 "--max-tokens", str(a.max_tokens)] + (["--cpu-amx"] if a.cpu_amx else [])
     cmd = [a.llama_server, "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "-np", str(n),
-           "-c", str(n * CTX), "-t", str(a.threads), "-tb", str(a.threads), "--no-webui", "-ngl", "0"]
+           "-c", str(n * CTX), "-t", str(a.threads), "-tb", str(a.threads), "--no-webui", "-ngl", "0", "--metrics"]
     if kind == "llama-server spec":
         cmd += ["--spec-type", "draft-simple", "--spec-draft-model", str(draft), "--spec-draft-n-max", "8",
                 "-ngld", "0"] + a.spec_args.split()
     return cmd
 
 
+def metrics(url: str) -> dict[str, float]:
+    """A server's /metrics as {'name{labels}': value} (llama-server's needs --metrics)."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
+
+
 def batch_steps(url: str) -> dict[str, float]:
     """specq's /metrics specq:batch_steps{kind} as {kind: count}."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r'^specq:batch_steps\{kind="(\w+)"\} (\S+)$', text, re.M)}
+    return {k.split('"')[1]: v for k, v in metrics(url).items() if k.startswith("specq:batch_steps{")}
+
+
+def passes(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """What the target's llama_decode calls did over a load, from two /metrics readings: decodes per generated
+    token, tokens (prompt tokens evaluated and generated) per decode; for llama-server its busy slots per decode,
+    for specq the share of the wall inside the target's decodes and the draft model's decodes per token."""
+    def d(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    gen, prompt = d("llamacpp:tokens_predicted_total"), d("llamacpp:prompt_tokens_total")
+    if 'specq:decodes{model="target"}' in after:
+        n = d('specq:decodes{model="target"}')
+        prompt -= d("specq:prompt_tokens_reused_total") + d("specq:prompt_tokens_copied_total")  # not evaluated
+        out = {"decodes": n, "draft_decodes_per_token": d('specq:decodes{model="draft"}') / max(gen, 1),
+               "decode_share_of_wall": d('specq:decode_seconds{model="target"}') / wall_s}
+    else:
+        n = d("llamacpp:n_decode_total")
+        busy = (after["llamacpp:n_busy_slots_per_decode"] * after["llamacpp:n_decode_total"]
+                - before["llamacpp:n_busy_slots_per_decode"] * before["llamacpp:n_decode_total"])
+        out = {"decodes": n, "busy_slots_per_decode": busy / max(n, 1)}
+    return {**out, "generated": gen, "prompt_tokens": prompt, "decodes_per_token": n / max(gen, 1),
+            "tokens_per_decode": (gen + prompt) / max(n, 1)}
+
+
+UBATCH = re.compile(r"added ubatch to split:.*?n_tokens\s+=\s+(\d+)", re.S)
+
+
+def count_passes(n: int, kind: str, target: Path, draft: Path, prompts: list[str], a, tmp: str) -> dict:
+    """--count-passes: the same load once more, untimed, with llama.cpp's batch debug log on (LLAMA_BATCH_DEBUG,
+    the server's verbose log): every ubatch llama.cpp splits a decode into is one pass over the weights, whatever
+    the server's decode count says (with a KV stream per sequence a decode of a prompt chunk beside one-token
+    rows is split in two or more). Both servers' logs are read the same way; specq's count includes the draft
+    model's passes where it decoded (`draft_decodes` says how many decodes those were)."""
+    port = None if kind.startswith("specq") else free_port()
+    cmd = argv(kind, n, target, draft, a, port) + (["--verbose"] if kind.startswith("specq") else ["-v"])
+    log = Path(tmp) / f"{kind}-{n}-passes.log"
+    srv = Server(cmd, log, port, env={"LLAMA_BATCH_DEBUG": "1"})
+    try:
+        model = model_of(srv)
+        run_load(srv.url, model, prompts, 1, 1, 16)
+        extra = {"draft_max": 0} if kind == "specq plain" else {}
+        before, start = metrics(srv.url), log.stat().st_size
+        row = run_load(srv.url, model, prompts, n, a.requests, a.max_tokens, extra)
+        after = metrics(srv.url)
+    finally:
+        srv.stop()
+    with open(log, "rb") as f:
+        f.seek(start)
+        rows = [int(m) for m in UBATCH.findall(f.read().decode("utf-8", "replace"))]
+    gen = after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"]
+    return {"server": kind, "parallel": n, "ubatches": len(rows), "ubatch_rows": sum(rows), "generated": gen,
+            "passes_per_token": len(rows) / max(gen, 1), "rows_per_pass": sum(rows) / max(len(rows), 1),
+            "draft_decodes": after.get('specq:decodes{model="draft"}', 0.0)
+            - before.get('specq:decodes{model="draft"}', 0.0), "errors": row["errors"]}
 
 
 def run_n(n: int, kinds: list[str], target: Path, draft: Path, prompts: list[str], a, texts: dict,
@@ -69,7 +130,9 @@ def run_n(n: int, kinds: list[str], target: Path, draft: Path, prompts: list[str
             model = model_of(srv)
             run_load(srv.url, model, prompts, 1, 1, 16)  # warm-up: the weights touched, the threads started
             extra = {"draft_max": 0} if kind == "specq plain" else {}  # the target alone, batched
+            before = metrics(srv.url)
             row = run_load(srv.url, model, prompts, n, a.requests, a.max_tokens, extra, texts, kind)
+            row["passes"] = passes(before, metrics(srv.url), row["wall_s"])
             if kind == "specq" and n > 1:  # what the batch's planner did (plain steps: drafting did not pay)
                 row["batch_steps"] = batch_steps(srv.url)
         finally:
@@ -77,6 +140,7 @@ def run_n(n: int, kinds: list[str], target: Path, draft: Path, prompts: list[str
         out.append({"server": kind, "parallel": n, **row})
         print(f"{kind:>18} N={n}: {row['total_tokens_per_s']:.1f} tok/s aggregate, TTFT p50 "
               f"{row['ttft_p50_s']:.2f}s p95 {row['ttft_p95_s']:.2f}s, errors {len(row['errors'])}"
+              + f", decodes/token {row['passes']['decodes_per_token']:.3f}"
               + (f", batch steps {row['batch_steps']}" if "batch_steps" in row else ""), file=sys.stderr, flush=True)
     return out
 
@@ -97,17 +161,24 @@ def main() -> None:
     ap.add_argument("--spec-args", default="",
                     help="more llama-server arguments for its speculative mode (-nr on an AMX CPU: the Q4_1 draft "
                          "in its AMX buffer crashes, docs/troubleshooting.md)")
+    ap.add_argument("--count-passes", action="store_true",
+                    help="after the timed rounds, one untimed load per server and N counting llama.cpp's ubatches")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     target, draft = pair(a.pair)
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     kinds = chosen_kinds(ap, a.kinds, KINDS)
     load0 = os.getloadavg()
-    rows, texts = [], {}
+    rows, texts, counted = [], {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for n in [int(x) for x in a.clients.split(",")]:
             for r in range(a.rounds):
                 rows += [{**row, "round": r} for row in run_n(n, kinds, target, draft, prompts, a, texts, tmp)]
+        for n in [int(x) for x in a.clients.split(",")] if a.count_passes else []:
+            for kind in kinds:
+                counted.append(count_passes(n, kind, target, draft, prompts, a, tmp))
+                print(f"{kind:>18} N={n}: {counted[-1]['passes_per_token']:.3f} passes a token, "
+                      f"{counted[-1]['rows_per_pass']:.1f} rows a pass", file=sys.stderr, flush=True)
     ratios = {}
     for n in sorted({r["parallel"] for r in rows}):
         by = {k: {f: statistics.median(r[f] for r in rows if r["parallel"] == n and r["server"] == k)
@@ -125,7 +196,7 @@ def main() -> None:
     doc = {"pair": a.pair, "target": target.name, "draft": draft.name, "ctx_per_sequence": CTX,
            "settings": {k: (Path(v).name if k == "llama_server" else v) for k, v in vars(a).items() if k != "json"}, "machine": platform.machine(),
            "cpus": os.cpu_count(), "load_before": load0, "load_after": os.getloadavg(), "rows": rows,
-           "ratios": ratios, "answers": same}
+           "ratios": ratios, "answers": same, "passes_counted": counted}
     if a.json:
         Path(a.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
 

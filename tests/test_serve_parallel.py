@@ -70,7 +70,8 @@ def lengths(i: int) -> int:
 def test_eight_concurrent_greedy_clients_each_get_their_answer_alone(server):
     c = client(server.url)
     alone = [stream_text(c, p, lengths(i)) for i, p in enumerate(PROMPTS)]
-    before = server.metrics()["specq:verify_decodes_multi"]
+    m = server.metrics()
+    before, decodes = m["specq:verify_decodes_multi"], m['specq:decodes{model="target"}']
     with ThreadPoolExecutor(8) as pool:
         together = list(pool.map(lambda i: stream_text(client(server.url), PROMPTS[i], lengths(i)), range(8)))
     for i, (got, want) in enumerate(zip(together, alone)):
@@ -79,6 +80,8 @@ def test_eight_concurrent_greedy_clients_each_get_their_answer_alone(server):
         assert got.spec["n_drafted"] > 0 and got.spec["shared_time"] == "whole"
     m = server.metrics()
     assert m["specq:verify_decodes_multi"] > before  # sequences verified together in one llama_decode
+    served = sum(len(got.tokens) for got in together)
+    assert 0 < m['specq:decodes{model="target"}'] - decodes < served / 2  # the target's passes, shared by the batch
     assert sum(v for k, v in m.items() if k.startswith("specq:slot_requests_total{")) >= 16
     assert json.loads(http(f"{server.url}/health")[1])["slots"] == {"total": 4, "busy": 0}
 

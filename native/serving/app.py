@@ -339,6 +339,7 @@ class Handlers:
         m, w = self.state.metrics, self.state.scheduler
         m.deferred.set(w.waiting)
         m.slots(w.n_slots, w.busy, self.state.engine.tgt_ctx.n_multi_decodes)
+        m.contexts(self.state.engine)
         if w.n_slots > 1:
             m.batch(w.batch.planner)
         return Response(m.render(), media_type=m.content_type)

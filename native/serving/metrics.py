@@ -59,6 +59,11 @@ class ServerMetrics:
                                       "running sequences (a long prompt joining).", registry=r)
         self.multi_verifies = Gauge("specq:verify_decodes_multi",
                                     "Target decodes that verified two or more sequences at once.", registry=r)
+        self.decodes = Gauge("specq:decodes", "llama_decode calls since the server started (its warm-up not "
+                             "counted), by model: target or draft; each evaluates one batch of rows.", ["model"],
+                             registry=r)
+        self.decode_seconds = Gauge("specq:decode_seconds", "Time inside those llama_decode calls, by model.",
+                                    ["model"], registry=r)
         self.batch_steps = Gauge("specq:batch_steps", "Batched steps of two or more sequences, by what the batch's "
                                  "planner did: planned (all), plain (no drafting where some sequence wished it), "
                                  "capped (a draft shortened), probes (one token drafted to keep the estimates "
@@ -75,6 +80,13 @@ class ServerMetrics:
         self.slots_busy.set(busy)
         self.slots_idle.set(total - busy)
         self.multi_verifies.set(multi_verifies)
+
+    def contexts(self, engine) -> None:
+        """The engine's llama_decode counts and times, for the target and (where it has one) the draft model."""
+        for name, ctx in (("target", engine.tgt_ctx), ("draft", engine.dft_ctx)):
+            if ctx is not None:
+                self.decodes.labels(model=name).set(ctx.n_decode_calls)
+                self.decode_seconds.labels(model=name).set(ctx.decode_s)
 
     def batch(self, planner) -> None:
         """The parallel batch's planner counters (control/batch_plan.BatchPlanner)."""
