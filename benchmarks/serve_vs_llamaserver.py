@@ -89,33 +89,49 @@ def passes(before: dict[str, float], after: dict[str, float], wall_s: float) -> 
 UBATCH = re.compile(r"added ubatch to split:.*?n_tokens\s+=\s+(\d+)", re.S)
 
 
-def count_passes(n: int, kind: str, target: Path, draft: Path, prompts: list[str], a, tmp: str) -> dict:
-    """--count-passes: the same load once more, untimed, with llama.cpp's batch debug log on (LLAMA_BATCH_DEBUG,
-    the server's verbose log): every ubatch llama.cpp splits a decode into is one pass over the weights, whatever
-    the server's decode count says (with a KV stream per sequence a decode of a prompt chunk beside one-token
-    rows is split in two or more). Both servers' logs are read the same way; specq's count includes the draft
-    model's passes where it decoded (`draft_decodes` says how many decodes those were)."""
+def served_load(kind: str, n: int, target: Path, draft: Path, prompts: list[str], a, log: Path,
+                texts: dict | None = None, debug: bool = False) -> tuple[dict, dict, dict, int]:
+    """One server of `kind` started alone, warmed up (the weights touched, the threads started), then the load of N
+    clients: the load's row, /metrics before and after it, and the log's size when it began. `debug`: llama.cpp's
+    batch debug log on (LLAMA_BATCH_DEBUG, the server's verbose log), for count_passes."""
     port = None if kind.startswith("specq") else free_port()
-    cmd = argv(kind, n, target, draft, a, port) + (["--verbose"] if kind.startswith("specq") else ["-v"])
-    log = Path(tmp) / f"{kind}-{n}-passes.log"
-    srv = Server(cmd, log, port, env={"LLAMA_BATCH_DEBUG": "1"})
+    cmd = argv(kind, n, target, draft, a, port)
+    if debug:
+        cmd += ["--verbose"] if kind.startswith("specq") else ["-v"]
+    srv = Server(cmd, log, port, env={"LLAMA_BATCH_DEBUG": "1"} if debug else None)
     try:
         model = model_of(srv)
         run_load(srv.url, model, prompts, 1, 1, 16)
-        extra = {"draft_max": 0} if kind == "specq plain" else {}
+        extra = {"draft_max": 0} if kind == "specq plain" else {}  # the target alone, batched
         before, start = metrics(srv.url), log.stat().st_size
-        row = run_load(srv.url, model, prompts, n, a.requests, a.max_tokens, extra)
+        row = run_load(srv.url, model, prompts, n, a.requests, a.max_tokens, extra, texts, kind)
         after = metrics(srv.url)
+        if kind == "specq" and n > 1:  # what the batch's planner did (plain steps: drafting did not pay)
+            row["batch_steps"] = batch_steps(srv.url)
     finally:
         srv.stop()
+    return row, before, after, start
+
+
+UBATCH = re.compile(r"added ubatch to split:.*?n_tokens\s+=\s+(\d+)", re.S)
+
+
+def count_passes(n: int, kind: str, target: Path, draft: Path, prompts: list[str], a, tmp: str) -> dict:
+    """--count-passes: the same load once more, untimed, with llama.cpp's batch debug log on: every ubatch
+    llama.cpp splits a decode into is one pass over the weights, whatever the server's decode count says (with a KV
+    stream per sequence a decode of a prompt chunk beside one-token rows is split in two or more). Both servers'
+    logs are read the same way; specq's count includes the draft model's passes where it decoded
+    (`draft_decodes` says how many decodes those were)."""
+    log = Path(tmp) / f"{kind}-{n}-passes.log"
+    row, before, after, start = served_load(kind, n, target, draft, prompts, a, log, debug=True)
     with open(log, "rb") as f:
         f.seek(start)
         rows = [int(m) for m in UBATCH.findall(f.read().decode("utf-8", "replace"))]
-    gen = after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"]
-    return {"server": kind, "parallel": n, "ubatches": len(rows), "ubatch_rows": sum(rows), "generated": gen,
-            "passes_per_token": len(rows) / max(gen, 1), "rows_per_pass": sum(rows) / max(len(rows), 1),
-            "draft_decodes": after.get('specq:decodes{model="draft"}', 0.0)
-            - before.get('specq:decodes{model="draft"}', 0.0), "errors": row["errors"]}
+    load = passes(before, after, row["wall_s"])
+    return {"server": kind, "parallel": n, "ubatches": len(rows), "ubatch_rows": sum(rows),
+            "generated": load["generated"], "passes_per_token": len(rows) / max(load["generated"], 1),
+            "rows_per_pass": sum(rows) / max(len(rows), 1),
+            "draft_decodes": load.get("draft_decodes_per_token", 0.0) * load["generated"], "errors": row["errors"]}
 
 
 def run_n(n: int, kinds: list[str], target: Path, draft: Path, prompts: list[str], a, texts: dict,
@@ -124,19 +140,8 @@ def run_n(n: int, kinds: list[str], target: Path, draft: Path, prompts: list[str
     once on 2 cores slowed whichever was working)."""
     out = []
     for kind in kinds:
-        port = None if kind.startswith("specq") else free_port()
-        srv = Server(argv(kind, n, target, draft, a, port), Path(tmp) / f"{kind}-{n}.log", port)
-        try:
-            model = model_of(srv)
-            run_load(srv.url, model, prompts, 1, 1, 16)  # warm-up: the weights touched, the threads started
-            extra = {"draft_max": 0} if kind == "specq plain" else {}  # the target alone, batched
-            before = metrics(srv.url)
-            row = run_load(srv.url, model, prompts, n, a.requests, a.max_tokens, extra, texts, kind)
-            row["passes"] = passes(before, metrics(srv.url), row["wall_s"])
-            if kind == "specq" and n > 1:  # what the batch's planner did (plain steps: drafting did not pay)
-                row["batch_steps"] = batch_steps(srv.url)
-        finally:
-            srv.stop()
+        row, before, after, _ = served_load(kind, n, target, draft, prompts, a, Path(tmp) / f"{kind}-{n}.log", texts)
+        row["passes"] = passes(before, after, row["wall_s"])
         out.append({"server": kind, "parallel": n, **row})
         print(f"{kind:>18} N={n}: {row['total_tokens_per_s']:.1f} tok/s aggregate, TTFT p50 "
               f"{row['ttft_p50_s']:.2f}s p95 {row['ttft_p95_s']:.2f}s, errors {len(row['errors'])}"

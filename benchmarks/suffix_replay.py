@@ -76,7 +76,7 @@ def suffix(hist: list[int], k: int, store: sx.SuffixStore, text: sx.SuffixIndex,
     finally:
         sx.MAX_SPEC_FACTOR = factor
     path, source = (from_store, "store") if from_store.expected > own.expected else (own, "text")
-    return path.tokens, f"{source}:{max((b for b in sx.EVIDENCE_MATCH if b <= path.match), default=0)}"
+    return path.tokens, sx.evidence_key(source, path.match) if path.tokens else ""
 
 
 def hop(hist: list[int], k: int, store: sx.SuffixStore, text: sx.SuffixIndex) -> tuple[list[int], str]:
@@ -91,7 +91,7 @@ def hop(hist: list[int], k: int, store: sx.SuffixStore, text: sx.SuffixIndex) ->
         p *= counts[tok] / len(at)
         if p < sx.MIN_TOKEN_PROB:
             break
-        first = first or f"{'text' if om >= sm else 'store'}:{max(b for b in sx.EVIDENCE_MATCH if b <= match)}"
+        first = first or sx.evidence_key("text" if om >= sm else "store", match)
         path.append(tok)
     return path, first
 

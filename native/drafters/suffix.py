@@ -186,6 +186,11 @@ def grow(at: list[tuple[list[int], int]], match: int, n_max: int) -> Continuatio
     return Continuation(tokens, probs, match)
 
 
+def evidence_key(source: str, match: int) -> str:
+    """A proposal's evidence key: its source ("store" or "text") and the EVIDENCE_MATCH bucket of its match."""
+    return f"{source}:{max(b for b in EVIDENCE_MATCH if b <= match)}"
+
+
 def count_law(counts: dict[int, int], allowed: np.ndarray | None) -> SparseDist | None:
     """The law a sampled draft draws a token from: the followers' shares, those below MIN_TOKEN_PROB dropped and
     the rest renormalised, then (under a constraint) the tokens it forbids dropped and renormalised again; None
@@ -407,7 +412,7 @@ class SuffixDrafter(Drafter):
         path, source, _ = self._lookup(n_max)
         if not path.tokens:
             return None
-        return f"{source}:{max(b for b in EVIDENCE_MATCH if b <= path.match)}"
+        return evidence_key(source, path.match)
 
     def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
         path, source, at = self._lookup(n_max)
