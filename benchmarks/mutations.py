@@ -26,7 +26,8 @@ TESTS = ["tests/test_exactness.py", "tests/test_rejection.py", "tests/test_engin
          "tests/test_tinyqwen35.py", "tests/test_hybrid.py", "tests/test_swa.py", "tests/test_mtp.py",
          "tests/test_counts.py", "tests/test_parallel.py", "tests/test_logprobs.py",
          "tests/test_batch_plan.py", "tests/test_constrained.py", "tests/test_serve_tools_e2e.py",
-         "tests/test_drafter_interface.py", "tests/test_auto_drafter.py", "tests/test_suffix.py"]
+         "tests/test_drafter_interface.py", "tests/test_auto_drafter.py", "tests/test_suffix.py",
+         "tests/test_crossvocab.py"]
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,19 @@ MUTANTS = [
     Mutant("named-choice-repeats", "a named tool_choice lets the call grammar repeat (parallel_tool_calls' default "
                                    "kept): the answer may hold several calls",
            (("native/serving/tools.py", 'parallel is not False and kind != "function")', "parallel is not False)"),)),
+    Mutant("tli-unnormalised", "TLI's q over target ids not renormalised over the shared tokens (it sums to the "
+                               "shared mass)",
+           (("native/core/vocabmap.py", "return SparseDist(ids.astype(np.int32), probs / mass), mass",
+             "return SparseDist(ids.astype(np.int32), probs), mass"),)),
+    Mutant("string-last-word-proposed", "the string path proposes the draft text's last word, whose split more "
+                                        "text can still change",
+           (("native/drafters/crossvocab.py",
+             "text = bytes(draft_text[:char_end(draft_text)]) if ended else held_back(draft_text)",
+             "text = bytes(draft_text[:char_end(draft_text)])"),)),
+    Mutant("xvocab-memory-kept", "a cross-vocabulary draft's memory not rolled back after a partial acceptance",
+           (("native/drafters/crossvocab.py",
+             "self.memory.truncate(common_prefix(self.memory.tokens, self.text.sync(self.session.history)))",
+             "self.text.sync(self.session.history)"),)),
 ]
 
 

@@ -149,6 +149,10 @@ SuffixScopeOpt = Annotated[str, typer.Option("--suffix-scope", help="server: one
                                                                  "drafts from its own text alone (a server shared "
                                                                  "between users).")]
 
+VocabMapOpt = Annotated[str, typer.Option("--vocab-map", help="How a draft of another vocabulary proposes target "
+                                                          "tokens: tli (its distribution over the tokens both share), "
+                                                          "string (its text re-tokenized by the target) or auto.")]
+
 
 # -- the one group: each shared flag's annotation and default, stated here alone ----------------------------
 # A default that means what the library's does is read from it (GenerationSettings, EngineConfig); the CLI's own
@@ -169,12 +173,13 @@ SHARED_FLAGS: dict[str, tuple] = {
     "tensor_split": (TensorSplitOpt, None), "device": (DeviceOpt, None), "draft_device": (DraftDeviceOpt, None),
     "rpc": (RpcOpt, None), "cpu_amx": (CpuAmxOpt, _ENG.cpu_amx), "flash_attn": (FlashAttnOpt, _ENG.flash_attn),
     "suffix_cache": (SuffixCacheOpt, _ENG.suffix_cache), "suffix_scope": (SuffixScopeOpt, _ENG.suffix_scope),
+    "vocab_map": (VocabMapOpt, _ENG.vocab_map),
 }
 GENERATION_FLAGS = ("draft_max", "draft_min", "p_min", "temp", "top_k", "top_p", "min_p", "seed", "accept",
                     "drafter", "ngram_min", "ngram_max")
 PLACEMENT_FLAGS = ("threads", "ngl", "ngl_draft", "vram_budget", "main_gpu", "tensor_split", "device",
                    "draft_device", "rpc", "cpu_amx", "flash_attn")
-ENGINE_FLAGS = ("ctx", "ctx_draft", "threads_draft") + PLACEMENT_FLAGS + ("suffix_cache", "suffix_scope")
+ENGINE_FLAGS = ("ctx", "ctx_draft", "threads_draft") + PLACEMENT_FLAGS + ("suffix_cache", "suffix_scope", "vocab_map")
 
 
 class Flags:
@@ -323,7 +328,7 @@ def engine_config(target: Path, draft: Path | None, settings: GenerationSettings
                         draft_threads=f.threads_draft, cpu_amx=p.cpu_amx, flash_attn=p.flash_attn,
                         draft_flash_attn=p.draft_flash_attn, parallel=parallel,
                         suffix_cache=None if f.suffix_cache is None else str(f.suffix_cache),
-                        suffix_scope=f.suffix_scope, **engine_options(settings.drafters))
+                        suffix_scope=f.suffix_scope, vocab_map=f.vocab_map, **engine_options(settings.drafters))
 
 
 def settings_from_flags(suggested: dict, flags: Flags, *, n_predict: int | None, **own) -> GenerationSettings:

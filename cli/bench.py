@@ -60,7 +60,11 @@ def render_table(doc: dict) -> Table:
     """A pure function from the bench document to a Rich table: one row per prompt and mode, medians over
     repeats with the min–max range (short headers so it reads at 80 columns)."""
     multi = bool(doc.get("sweep"))
-    t = Table(title="specq bench" + (" (recommended point)" if multi else ""), title_justify="left")
+    draft = doc.get("draft") or {}
+    caption = (f"draft of another vocabulary: translated by {draft['vocab_map']}, "
+               f"{draft['vocab_overlap']:.0%} of its mass on shared tokens") if draft.get("vocab_map") else None
+    t = Table(title="specq bench" + (" (recommended point)" if multi else ""), title_justify="left",
+              caption=caption, caption_justify="left")
     for col in ("prompt", "mode", "tok/s", "min–max", "accept", "α", "acc/st", "draft", "verify"):
         t.add_column(col, justify="left" if col in ("prompt", "mode") else "right")
     s = doc["summary"]

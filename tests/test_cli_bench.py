@@ -107,9 +107,22 @@ def test_truncated_gguf(tmp_path, tiny_target, tiny_close):
     assert_one_line_error(r, 1, "model file is truncated", "truncated.gguf")
 
 
-def test_incompatible_draft(tiny_target, tiny_incompatible):
-    r = bench("--target", tiny_target, "--draft", tiny_incompatible)
-    assert_one_line_error(r, 1, "token 40 differs", str(tiny_incompatible))
+def test_a_draft_of_another_vocabulary_runs_translated_with_no_flag(tiny_target, tiny_incompatible):
+    # token 40's text differs: llama.cpp's rule refuses the pair; specq translates (TLI under auto) and says so
+    r = bench("--target", tiny_target, "--draft", tiny_incompatible, "--prompt", "def fibonacci(n):",
+              "--n-predict", 16, "--ctx", 128, "--draft-max", 4, "--json", "-")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["draft"]["vocabulary"] == "different" and doc["draft"]["vocab_map"] == "tli"
+    assert 0.9 < doc["draft"]["vocab_overlap"] < 1.0
+    base, spec = doc["runs"]
+    assert spec["tokens"] == base["tokens"] and spec["n_drafted"] > 0
+    table = bench("--target", tiny_target, "--draft", tiny_incompatible, "--prompt", "def fibonacci(n):",
+                  "--n-predict", 8, "--ctx", 128, "--draft-max", 4, "--vocab-map", "string")
+    assert table.exit_code == 0, table.output
+    assert "translated by string" in table.stdout and "of its mass on shared tokens" in table.stdout
+    bad = bench("--target", tiny_target, "--draft", tiny_incompatible, "--vocab-map", "bytes")
+    assert_one_line_error(bad, 2 if bad.exit_code == 2 else 1, "--vocab-map must be")
 
 
 def test_prompt_longer_than_context(tiny_target, tiny_close):

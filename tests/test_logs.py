@@ -139,10 +139,11 @@ def test_chat_on_a_truncated_model_fails_in_one_line(truncated):
     assert "model file is truncated" in one_error_line(r)
 
 
-def test_bench_with_an_incompatible_draft_fails_in_one_line(tiny_target, tiny_incompatible):
-    r = specq("bench", "--target", tiny_target, "--draft", tiny_incompatible, "--n-predict", 4)
-    assert r.returncode == 1
-    one_error_line(r)
+def test_bench_with_a_draft_window_for_another_vocabulary_fails_in_one_line(tiny_target, tiny_incompatible):
+    r = specq("bench", "--target", tiny_target, "--draft", tiny_incompatible, "--n-predict", 4, "--ctx", 512,
+              "--ctx-draft", 256)
+    assert r.returncode == 2  # a usage error
+    assert "sees the whole context" in one_error_line(r)
 
 
 def test_tune_on_a_truncated_model_fails_in_one_line(truncated, tiny_close):

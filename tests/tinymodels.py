@@ -155,10 +155,16 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, spec: TinySpec = TinySpec()
     all_tokens = tokens + [f"[PAD{i}]" for i in range(spec.extra_rows)]
     types = ([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (n_real - len(SPECIALS))
              + [gguf.TokenType.UNUSED] * spec.extra_rows)
+    return _write_llama(path, f"specq-tiny-{seed}", spec, all_tokens, types, merges, w, bos_id, eos_id, add_bos,
+                        tokenizer_model)
 
+
+def _write_llama(path: Path, name: str, spec: TinySpec, tokens: list[str], types: list, merges: list[str],
+                 w: dict[str, np.ndarray], bos_id: int | None, eos_id: int, add_bos: bool,
+                 tokenizer_model: str = "gpt2") -> Path:
     arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA]
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(f"specq-tiny-{seed}")
+    writer.add_name(name)
     writer.add_context_length(spec.n_ctx)
     writer.add_embedding_length(spec.n_embd)
     writer.add_block_count(spec.n_layer)
@@ -169,10 +175,10 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, spec: TinySpec = TinySpec()
     writer.add_rope_dimension_count(spec.n_embd // spec.n_head)
     writer.add_rope_freq_base(10000.0)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_vocab_size(n_rows)
+    writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(all_tokens)
+    writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
     if bos_id is not None:
@@ -180,13 +186,79 @@ def write_tiny_gguf(path: str | Path, seed: int = 0, spec: TinySpec = TinySpec()
     writer.add_eos_token_id(eos_id)
     writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHAT_TEMPLATE)
-    for name, arr in w.items():
-        writer.add_tensor(name, arr)
+    for name_, arr in w.items():
+        writer.add_tensor(name_, arr)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def bigram_weights(spec: TinySpec, corpus_tokens: list[int], n_rows: int, sharpness: float = 3.0,
+                   mix: float = 0.0) -> dict[str, np.ndarray]:
+    """Weights of a model that continues text as the corpus does: every block's output projections are zero and
+    each token's embedding is a one-hot, so the logits after a token are `sharpness` × its row of the corpus's
+    token bigram log-probabilities. Its greedy text reads like the corpus, and it drafts for a copy of itself over
+    another vocabulary as far as the text allows (write_reindexed)."""
+    counts = np.full((n_rows, n_rows), 0.02)
+    np.add.at(counts, (np.asarray(corpus_tokens[:-1]), np.asarray(corpus_tokens[1:])), 1.0)
+    np.fill_diagonal(counts, 1e-4)  # never a token after itself: greedy text does not stall on one token
+    logp = np.log(counts / counts.sum(axis=1, keepdims=True))
+    d = spec.n_embd
+    assert d >= n_rows, "a bigram model needs n_embd >= its vocabulary"
+    w = weights(spec, n_rows, 0)
+    w["token_embd.weight"] = np.eye(n_rows, d, dtype=np.float32) * np.float32(np.sqrt(d))  # rms 1: norm keeps it
+    w["output.weight"] = np.zeros((n_rows, d), np.float32)
+    w["output.weight"][:, :n_rows] = (logp.T * sharpness / np.sqrt(d)).astype(np.float32)
+    for i in range(spec.n_layer):
+        w[f"blk.{i}.attn_output.weight"] *= mix
+        w[f"blk.{i}.ffn_down.weight"] *= mix
+    return w
+
+
+BIGRAM = TinySpec(n_embd=384, n_head=4, n_head_kv=2, n_ff=64)
+
+
+def write_bigram_gguf(path: str | Path, spec: TinySpec = BIGRAM, sharpness: float = 3.0, mix: float = 0.0) -> Path:
+    """A tiny model that continues text as CORPUS does (bigram_weights), over the tiny vocabulary."""
+    from specq.native.llama import ffi
+    path = Path(path)
+    write_tiny_gguf(path, seed=0, spec=spec)
+    with ffi.Model(path, vocab_only=True) as m:
+        toks = m.tokenize(CORPUS.replace("    ", ""), add_special=False, parse_special=False)
+    tokens, _ = vocab(spec.n_merges)
+    w = bigram_weights(spec, toks, len(tokens), sharpness, mix)
+    return write_tiny_gguf(path, seed=0, spec=spec, edit_weights=lambda _: w)
+
+
+def merge_leaves(spec: TinySpec = TinySpec(), removed: set[str] = frozenset()) -> list[str]:
+    """The merged tokens of the tiny vocabulary that no later merge uses once `removed` are gone: removing one
+    (and its merge) splits its text into the two tokens it was merged from, and nothing else changes."""
+    tokens, merges = vocab(spec.n_merges)
+    used = {part for m in merges if m.replace(" ", "") not in removed for part in m.split(" ")}
+    return [t for t in tokens[len(SPECIALS) + 256:] if t not in used and t not in removed]
+
+
+def write_reindexed(path: str | Path, base: Path, remove: list[str], spec: TinySpec = TinySpec(),
+                    seed: int = 0) -> Path:
+    """The tiny model at `base` with its vocabulary re-indexed: the tokens `remove` (merge leaves)
+    and their merges dropped, so their text splits in two; every other token's id permuted (seeded), its
+    embedding and output rows moved with it. The same network over another vocabulary: a draft of the original
+    drafts for it across vocabularies."""
+    path = Path(path)
+    tokens, merges = vocab(spec.n_merges)
+    assert set(remove) <= {t for t in tokens[len(SPECIALS) + 256:]}
+    w = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(base)).tensors}
+    keep = [i for i, t in enumerate(tokens) if t not in set(remove)]
+    order = [keep[i] for i in np.random.default_rng(seed).permutation(len(keep))]
+    new_tokens = [tokens[i] for i in order]
+    types = [gguf.TokenType.CONTROL if i < len(SPECIALS) else gguf.TokenType.NORMAL for i in order]
+    new_merges = [m for m in merges if m.replace(" ", "") not in set(remove)]
+    for name in ("token_embd.weight", "output.weight"):
+        w[name] = w[name][order]
+    return _write_llama(path, f"specq-tiny-{Path(base).stem}-reindexed", spec, new_tokens, types, new_merges, w,
+                        order.index(1), order.index(0), False)
 
 
 # -- tiny hybrid Qwen3.5 (llama.cpp architecture "qwen35") ------------------------------------------------

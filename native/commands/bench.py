@@ -269,6 +269,13 @@ def model_record(engine: Engine, which: str) -> dict:
     return {"path": info.path, "size_bytes": info.size_bytes, "n_params": info.n_params}
 
 
+def draft_record(engine: Engine) -> dict:
+    """The draft's record, with its vocabulary against the target's (core/vocabmap.py): `vocabulary` same, padded
+    or different; for a different one the translation that ran (`vocab_map`) and `vocab_overlap`."""
+    return {**model_record(engine, "draft"), "vocabulary": engine.vocabulary, "vocab_map": engine.vocab_translation,
+            "vocab_overlap": None if engine.vocab_overlap is None else round(engine.vocab_overlap, 4)}
+
+
 # Two tokens whose target logits are closer than this are a near tie: llama.cpp's batched (verify) and
 # single-token (plain) kernels round differently (here up to ~0.05 on a CPU, F32 weights, F16 KV cache),
 # so greedy speculative output can take the other branch there. A wider gap means a bug.
@@ -344,7 +351,7 @@ def run_bench(cfg: BenchConfig, on_run: Callable[[dict], None] | None = None,
             "specq_version": __version__,
             "llama_cpp_python_version": _ffi.llama_cpp_python_version(),
             "target": model_record(eng, "target"),
-            "draft": model_record(eng, "draft") if cfg.engine.draft else None,
+            "draft": draft_record(eng) if cfg.engine.draft else None,
             # draft_window: a fixed window (--ctx-draft N); with auto, runs[].draft_window says what was taken
             "settings": {**settings_record(cfg, eng.threads), "draft_window": eng.draft_window},
             "prompts": [{"index": i, "name": names[i], "n_tokens": len(t)} for i, t in enumerate(prompts)],

@@ -60,6 +60,7 @@ class GenerationStats(Rates):
     n_restores: int  # checkpoint restores, both models (memories that cannot remove part of a sequence)
     stop_reason: str  # "eog" | "n_predict" | "ctx" | "interrupted"
     accept_mode: str = "greedy"  # "greedy" | "match" | "rejection"
+    vocab_map: str | None = None  # a draft model of another vocabulary: its translation ("tli" | "string")
     sample_ms: float = 0.0  # rejection mode: time in the sampling transform and acceptance (both models)
     n_plain_steps: int = 0  # draft_max=auto: steps that chose not to draft (probes excluded)
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning

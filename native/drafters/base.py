@@ -17,8 +17,8 @@ Glossary (every drafter, native/drafters/*.py, speaks these words):
 - has_memory: a drafter that must decode every committed token before it drafts (a model, an MTP head): tokens
   others emit cost it a catch-up, which the drafter chooser charges to them; an n-gram lookup has none.
 
-- units: what a proposal's ids are. Every drafter here proposes target token ids (TARGET_TOKENS); a drafter of
-  another vocabulary would state its own units and be translated before the verify.
+- units: what a proposal's ids are. Every drafter proposes target token ids (TARGET_TOKENS); a draft model of
+  another vocabulary drafts in its own and translates before it proposes (crossvocab.py, `for_engine`).
 - shared (`Drafter.provide`): what every session's drafter of one kind shares on an engine, opened once when the
   engine loads and closed with it: a context of its own, a store that outlives requests.
 
@@ -119,6 +119,12 @@ class Drafter:
 
     def __init__(self, session: Session):
         self.session = session
+
+    @classmethod
+    def for_engine(cls, engine: Engine) -> type[Drafter]:
+        """The class whose instances draft for this kind on this engine (by default this one; a draft model of
+        another vocabulary translates its proposals: crossvocab.py)."""
+        return cls
 
     @classmethod
     def provide(cls, engine: Engine) -> object | None:

@@ -68,6 +68,14 @@ class ModelDrafter(Drafter):
         return engine.dft_ctx is not None
 
     @classmethod
+    def for_engine(cls, engine: Engine) -> type[Drafter]:
+        """A draft of another vocabulary translates (crossvocab.py)."""
+        if getattr(engine, "vocab_bridge", None) is None:
+            return cls
+        from .crossvocab import CrossVocabDrafter  # it builds on this module
+        return CrossVocabDrafter
+
+    @classmethod
     def check(cls, engine: Engine) -> None:
         if engine.draft is None:
             raise UsageError("speculative decoding needs a draft model; "

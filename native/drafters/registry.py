@@ -84,7 +84,8 @@ def check(engine: Engine, drafters: tuple[str, ...]) -> None:
 
 def build(session: Session) -> dict[str, Drafter]:
     """One session's drafters: every registered one its engine can run, in the order auto tries them."""
-    return {n: DRAFTERS[n](session) for n in _tried_first(DRAFTERS) if DRAFTERS[n].available(session.engine)}
+    eng = session.engine
+    return {n: DRAFTERS[n].for_engine(eng)(session) for n in _tried_first(DRAFTERS) if DRAFTERS[n].available(eng)}
 
 
 def cost_priors(engine: Engine, names) -> dict[str, float]:

@@ -335,6 +335,14 @@ class Model(_Handle):
     def is_eog(self, token: int) -> bool:
         return bool(H.llama_vocab_is_eog(self.vocab, token))
 
+    def text_tokens(self) -> np.ndarray:
+        """Which token ids are text by their llama.cpp attributes: normal, byte and user-defined tokens, never
+        control, unknown or unused ones."""
+        text = C.LLAMA_TOKEN_ATTR_NORMAL | C.LLAMA_TOKEN_ATTR_BYTE | C.LLAMA_TOKEN_ATTR_USER_DEFINED
+        other = C.LLAMA_TOKEN_ATTR_CONTROL | C.LLAMA_TOKEN_ATTR_UNKNOWN | C.LLAMA_TOKEN_ATTR_UNUSED
+        attrs = np.array([C.llama_vocab_get_attr(self.vocab, i) for i in range(self.n_vocab)], dtype=np.int64)
+        return ((attrs & text) != 0) & ((attrs & other) == 0)
+
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         data = check_text(text, "the text to tokenize").encode("utf-8")
         cap = len(data) + 8

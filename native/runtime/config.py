@@ -83,7 +83,9 @@ class EngineConfig:
     turns the window trials off.
     `suffix_cache`: a file the suffix drafter's store of earlier answers is read from and written back to (None:
     the store lives as long as the engine); `suffix_scope`: "server" (one store for every sequence and request)
-    or "request" (none: each request drafts from its own text alone)."""
+    or "request" (none: each request drafts from its own text alone).
+    `vocab_map`: how a draft of another vocabulary proposes target tokens (core/vocabmap.py): "tli", "string"
+    or "auto" (chosen per generation: drafters/crossvocab.py); a draft of the target's vocabulary ignores it."""
 
     target: str
     draft: str | None = None
@@ -108,6 +110,7 @@ class EngineConfig:
     parallel: int = 1
     suffix_cache: str | None = None
     suffix_scope: str = "server"
+    vocab_map: str = "auto"
 
     def open(self, clock: Callable[[], float] | None = None,
              factory: Callable[..., Engine] | None = None) -> Engine:

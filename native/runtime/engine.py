@@ -12,9 +12,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ...errors import UsageError
+import numpy as np
+
+from ...errors import IncompatibleDraftError, UsageError
 from ...machine import physical_cores
-from ..core.compat import VocabInfo, check_compatible
+from ..core import vocabmap
 from ..core.settings import DRAFT_MAX_CAP, MIN_DRAFT_WINDOW
 from ..drafters import registry
 from ..drafters.mtp import no_head_error
@@ -58,6 +60,11 @@ def as_list(v: tuple | None) -> list | None:
 
 class Engine:
     """Loads a target (and optionally a draft) and creates contexts for them."""
+
+    vocabulary: str = vocabmap.SAME  # the draft's vocabulary against the target's (vocabmap.classify)
+    vocab_bridge: vocabmap.VocabBridge | None = None  # a draft of another vocabulary: what the two share
+    vocab_map: str | None = None  # --vocab-map for such a draft
+    vocab_overlap: float | None = None  # its overlap (vocabmap's glossary)
 
     def __init__(self, target: str | os.PathLike | EngineConfig, draft: str | os.PathLike | None = None, *,
                  clock: Callable[[], float] | None = None, **options):
@@ -105,7 +112,7 @@ class Engine:
                 self.draft = _ffi.Model(cfg.draft, n_gpu_layers=ngl_draft, main_gpu=cfg.main_gpu,
                                         tensor_split=as_list(cfg.draft_tensor_split), devices=draft_devices,
                                         cpu_amx=cfg.cpu_amx)
-                check_compatible(VocabInfo.of(self.target), VocabInfo.of(self.draft))
+                self._bridge_vocabularies(cfg.vocab_map)
             t = self.target
             plain_cache = not (t.is_recurrent_or_hybrid or t.n_swa or mtp is not False and t.n_layer_nextn > 0)
             streams = kv_streams(parallel, on_cpu(ngl, devices), plain_cache)
@@ -134,14 +141,63 @@ class Engine:
                 raise UsageError(f"--ctx-draft below --ctx makes the draft see a window of recent tokens, at least "
                                  f"{MIN_DRAFT_WINDOW} ({self.dft_ctx.n_ctx})")
             self.draft_window = self.dft_ctx.n_ctx
-        if self.draft_window is not None or self.draft is None or self.draft.is_recurrent_or_hybrid or parallel > 1:
-            self.window_auto = False  # a fixed window, no draft model, or a memory that cannot drop a tail
+        if self.vocab_bridge is not None:
+            self._check_translated_draft()
+        if self.draft_window is not None or self.draft is None or self.draft.is_recurrent_or_hybrid or parallel > 1 \
+                or self.vocab_bridge is not None:
+            self.window_auto = False  # a fixed window, no draft, a memory that cannot drop a tail, other tokens
         self.n_ctx = self.tgt_ctx.n_ctx
         self.clock = clock or time.perf_counter
         if isinstance(clock, SimulatedClock):
             for c in (self.tgt_ctx, *self.provided.values()):
                 if hasattr(c, "on_decode"):
                     c.on_decode = clock.on_decode
+
+    def _bridge_vocabularies(self, vocab_map: str) -> None:
+        """Classify the draft's vocabulary; where it differs, build what the translation needs."""
+        if vocab_map not in vocabmap.VOCAB_MAPS:
+            raise UsageError(f"--vocab-map must be {', '.join(vocabmap.VOCAB_MAPS)} ({vocab_map})")
+        self.vocabulary = vocabmap.classify(self.target, self.draft)
+        if self.vocabulary == vocabmap.DIFFERENT:
+            self.vocab_bridge = vocabmap.VocabBridge(vocabmap.Tokenizer(self.target), vocabmap.Tokenizer(self.draft))
+            self.vocab_map = vocab_map
+
+    @property
+    def vocab_translation(self) -> str | None:
+        """The translation a draft of another vocabulary runs (None: a draft of the target's vocabulary). auto
+        takes TLI: on the control pair both translations accept alike greedy, and at T > 0 TLI's drafts are
+        sampled with their law where the string path's are point masses (tests/test_crossvocab.py)."""
+        if self.vocab_bridge is None:
+            return None
+        return vocabmap.TLI if self.vocab_map == vocabmap.AUTO else self.vocab_map
+
+    def _check_translated_draft(self) -> None:
+        """A draft of another vocabulary: refuse a window (--ctx-draft) and too little overlap, closing the engine."""
+        try:
+            if self.draft_window is not None:
+                raise UsageError("a draft of another vocabulary sees the whole context: leave --ctx-draft out")
+            self._check_overlap()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_overlap(self) -> None:
+        """Measure the overlap (vocabmap's glossary) on the calibration text; refuse a draft with too little."""
+        c, bridge = self.dft_ctx, self.vocab_bridge
+        toks = self.draft.tokenize(vocabmap.CALIBRATION, add_special=True, parse_special=False)
+        rows = []
+        step = max(1, min(c.n_outputs_max, c.n_batch))
+        for i in range(0, len(toks), step):
+            c.decode(toks[i:i + step], i, logits="all")
+            rows.extend(c.logits(len(toks[i:i + step])))
+        c.clear()
+        self.vocab_overlap = bridge.overlap(np.asarray(rows))
+        if self.vocab_overlap < vocabmap.OVERLAP_MIN:
+            raise IncompatibleDraftError(
+                f"the draft's vocabulary differs from the target's and only {self.vocab_overlap:.0%} of its "
+                f"probability mass falls on the {bridge.n_shared} tokens they share (at least "
+                f"{vocabmap.OVERLAP_MIN:.0%} is needed to help); use a draft whose tokenizer is closer to the "
+                f"target's (target {self.target.path}, draft {self.draft.path})")
 
     @property
     def dft_ctx(self) -> _ffi.Context | None:

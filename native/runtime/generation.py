@@ -95,6 +95,7 @@ def make_stats(g: Generation, stop: str, gen_s: float) -> GenerationStats:
         accept_mode=(samp.mode if samp else "greedy") if g.speculative else (
             "greedy" if s.temp <= 0 else "sample"),
         sample_ms=samp.sample_s * 1e3 if samp else 0.0,
+        vocab_map=g.session.engine.vocab_translation if g.speculative else None,
         n_plain_steps=ctrl.n_plain_steps - p.plain_steps_at_start if ctrl else 0,
         n_probes=ctrl.n_probes - p.probes_at_start if ctrl else 0, n_handovers=p.n_handovers,
         steps_by_k=tuple(sorted(p.steps_by_k.items())), tried_per_pos=tuple(p.tried),

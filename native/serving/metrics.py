@@ -73,6 +73,9 @@ class ServerMetrics:
                                       registry=r)
         self.suffix_accepted = Counter("specq:suffix_accepted_tokens", "--drafter suffix: its tokens accepted, by "
                                        "source.", ["source"], registry=r)
+        self.vocab_overlap = Gauge("specq:draft_vocab_overlap", "A draft of another vocabulary: the share of its "
+                                   "probability mass on tokens both vocabularies share (a calibration text), by the "
+                                   "translation it runs (--vocab-map).", ["vocab_map"], registry=r)
         self._gen_tokens = 0
         self._gen_seconds = 0.0
 
@@ -87,6 +90,8 @@ class ServerMetrics:
             if ctx is not None:
                 self.decodes.labels(model=name).set(ctx.n_decode_calls)
                 self.decode_seconds.labels(model=name).set(ctx.decode_s)
+        if engine.vocab_overlap is not None:
+            self.vocab_overlap.labels(vocab_map=engine.vocab_translation).set(engine.vocab_overlap)
 
     def batch(self, planner) -> None:
         """The parallel batch's planner counters (control/batch_plan.BatchPlanner)."""
