@@ -2,7 +2,7 @@
 
     python benchmarks/drafters.py [--sets general,copy,copy_edit] [--modes ngram,auto] [--n-predict 256] [--repeat 3] [--threads 2]
         [--draft-max auto] [--limit-prompts N] [--target T.gguf --draft D.gguf | --no-draft | --draft-layers N]
-        [--temp T] [--out results.json]
+        [--temp T] [--raw] [--vocab-map tli|string|auto] [--out results.json]
 
 Default pair: the demo pair (SmolLM2-135M-Instruct F32 target, its Q4_1 draft). `--draft-layers N`: the draft is
 the target's own first N blocks (embeddings and output kept; adaptive.first_layers): a useless draft of the same
@@ -12,7 +12,7 @@ vocabulary, which auto must leave alone. Prompt sets:
   copy_edit: benchmarks/prompts/copy_edit.jsonl, whole functions of 10-40 lines returned with one small change
   adaptive12: benchmarks/prompts/adaptive12.jsonl, twelve everyday requests (SQL, bash, an email, ...) with nothing to copy
 `--draft-layers N --cut-draft`: the draft given (or the demo's Q4_1) keeps only its first N blocks instead.
-Each prompt runs as one chat turn. Within a repeat, every prompt runs every mode, target alone included, in an
+Each prompt runs as one chat turn (--raw: as raw text, for a base model). Within a repeat, every prompt runs every mode, target alone included, in an
 order that rotates with the repeat (alternating runs); each mode keeps one session for the whole benchmark, so
 the adaptive controller (draft-max auto, drafter auto) keeps what it learned across prompts, as in chat. A mode's
 rate in a repeat is its generated tokens over its generation time summed over the set's prompts; the medians over
@@ -72,7 +72,7 @@ def run_set(eng: Engine, set_name: str, modes: list[str], a) -> dict:
     names, prompts = load_set(set_name)
     if a.limit_prompts:
         names, prompts = names[:a.limit_prompts], prompts[:a.limit_prompts]
-    cfg = BenchConfig(engine=EngineConfig(str(eng.target.path)), prompts=prompts, chat=True)
+    cfg = BenchConfig(engine=EngineConfig(str(eng.target.path)), prompts=prompts, chat=not a.raw)
     toks = prompt_tokens(eng, cfg)
     draft_max = a.draft_max if a.draft_max == "auto" else int(a.draft_max)
     sessions = {m: eng.session() for m in modes}
@@ -137,6 +137,8 @@ def main() -> None:
     ap.add_argument("--ngl", type=int, default=None)
     ap.add_argument("--ngl-draft", type=int, default=None)
     ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--raw", action="store_true", help="prompts as raw text, not chat turns (a base model)")
+    ap.add_argument("--vocab-map", default="auto", help="a draft of another vocabulary: tli, string or auto")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.target:
@@ -158,8 +160,10 @@ def main() -> None:
            "repeat": a.repeat, "draft_max": a.draft_max, "temp": a.temp, "draft_layers": a.draft_layers,
            "cut_draft": a.cut_draft,
            "sets": []}
-    with Engine(target, draft, ctx=a.ctx, threads=a.threads, ngl=ngl, ngl_draft=ngl_draft, mtp=None) as eng:
+    with Engine(target, draft, ctx=a.ctx, threads=a.threads, ngl=ngl, ngl_draft=ngl_draft, mtp=None,
+                vocab_map=a.vocab_map) as eng:
         doc["target_has_mtp"] = eng.mtp_ctx is not None
+        doc |= {"vocabulary": eng.vocabulary, "vocab_map": eng.vocab_translation, "vocab_overlap": eng.vocab_overlap}
         modes = modes_for(draft is not None, eng.mtp_ctx is not None)
         if a.modes:
             modes = ["baseline"] + [m for m in modes if m in a.modes.split(",") and m != "baseline"]

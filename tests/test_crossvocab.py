@@ -4,10 +4,14 @@ moved, ~10% of the tokens split in two), and the text moves between real tokeniz
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from conftest import demo_available
+from hfmodels import HFSpec, train_spm, write_spm_checkpoint
+from specq.convert.pipeline import convert_pair
 from specq.errors import IncompatibleDraftError
 from specq.native.core import vocabmap
 from specq.native.core.accept import rejection_emit
@@ -144,12 +148,55 @@ def test_a_tli_draft_carried_to_target_ids_keeps_the_targets_law(control):
     assert q.probs.sum() == pytest.approx(1.0)
 
 
+class FakeVocab:
+    """A vocabulary as VocabBridge reads one: pieces, which are text, and which of several same-bytes ids its
+    tokenizer makes."""
+
+    def __init__(self, pieces: list[bytes], control: set[int] = frozenset()):
+        self.pieces = pieces
+        self.is_text = np.array([i not in control for i in range(len(pieces))])
+
+    def single(self, piece: bytes, ids: list[int]) -> int:
+        return max(ids)
+
+
+def test_same_bytes_sum_onto_one_target_id_and_greedy_takes_the_sum():
+    # draft: " " twice (SPM's ▁ and <0x20>), "a", "b", "ab", a control token whose text is a target token's
+    draft = FakeVocab([b" ", b"a", b"b", b"ab", b" ", b"<s>", b"zz"], control={5})
+    target = FakeVocab([b"<s>", b"ab", b"a", b" ", b"c"], control={0})
+    bridge = vocabmap.VocabBridge(target, draft)
+    assert bridge.d2t.tolist() == [3, 2, -1, 1, 3, -1, -1]  # "b", "zz" unshared; the control token never crosses
+    assert bridge.t2d == {3: 4, 2: 1, 1: 3}  # the draft's own choice of the two spaces (FakeVocab.single)
+    row = np.log(np.array([0.2, 0.3, 0.05, 0.05, 0.15, 0.05, 0.2]))  # the spaces sum to 0.35 > "a" 0.3
+    projected, mass = bridge.project(row)
+    assert mass == pytest.approx(0.7) and np.exp(projected[3]) == pytest.approx(0.35)
+    assert np.isneginf(projected[0]) and np.isneginf(projected[4])
+    tok, top, mass = bridge.greedy(row, top=2)
+    assert (tok, top, mass) == (3, pytest.approx(0.5), pytest.approx(0.7))
+    q, m = bridge.carry(SparseDist(np.arange(7, dtype=np.int32), np.exp(row)))
+    assert dict(zip(q.ids.tolist(), q.probs)) == pytest.approx({1: 0.05 / 0.7, 2: 0.3 / 0.7, 3: 0.35 / 0.7})
+    rng = np.random.default_rng(1)
+    for _ in range(200):  # greedy's shortcut always agrees with the whole projection, flat rows included
+        r = rng.standard_normal(7) * rng.choice([0.1, 3.0])
+        assert bridge.greedy(r, top=1)[0] == int(bridge.project(r)[0].argmax())
+
+
 # ---- the text between tokenizers -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tokenizers(control):
-    """(target, draft) Tokenizers of the control pair, and SmolLM2's where the demo package is installed."""
+def spm_model(tmp_path_factory) -> Path:
+    """A tiny Llama 2-style model over a SentencePiece vocabulary (byte fallback, a space prefix), converted."""
+    d = tmp_path_factory.mktemp("spm")
+    src = write_spm_checkpoint(d / "hf", HFSpec(arch="LlamaForCausalLM", seed=20), train_spm())
+    return Path(convert_pair(str(src), d / "out").target_path)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(control, spm_model):
+    """Tokenizers of the control pair (byte-level BPE), of a SentencePiece model, and SmolLM2's where the demo
+    package is installed."""
     target, draft = control
-    models = [_ffi.Model(target, vocab_only=True), _ffi.Model(draft, vocab_only=True)]
+    models = [_ffi.Model(target, vocab_only=True), _ffi.Model(draft, vocab_only=True),
+              _ffi.Model(spm_model, vocab_only=True)]
     if demo_available():
         from specq.native.commands.demo import demo_draft_path
         models.append(_ffi.Model(demo_draft_path(), vocab_only=True))
@@ -173,8 +220,44 @@ def test_the_drafts_tokens_follow_the_history_token_by_token_and_back(tokenizers
             got = dt.sync(hist[:n])
             done = tgt.render(hist[:n])
             done = done[:vocabmap.char_end(done)]
-            assert dft.render(got) == done  # the draft holds exactly the committed text, whole characters
+            # the draft holds exactly the committed text, whole characters (and its own space prefix, if any)
+            assert dft.render(got) == (b" " if dft.prefix_space and done else b"") + done
         assert dt.sync(hist) == dft.tokenize(tgt.render(hist), at_start=True)
+
+
+def test_a_space_prefixing_tokenizer_is_recognised(tokenizers):
+    assert [t.prefix_space for t in tokenizers[:3]] == [False, False, True]
+
+
+@pytest.mark.parametrize("vocab_map", MAPS)
+@pytest.mark.parametrize("spm_side", ["target", "draft"])
+def test_greedy_output_is_the_targets_across_bpe_and_sentencepiece(tiny_target, spm_model, vocab_map, spm_side):
+    # random weights: text full of byte tokens and cut characters, which the draft's memory must follow
+    bpe = tiny_target
+    target, draft = (spm_model, bpe) if spm_side == "target" else (bpe, spm_model)
+    s = GenerationSettings(n_predict=40, draft_max=4)
+    with Engine(target, draft, ctx=256, threads=1, vocab_map=vocab_map) as e:
+        assert e.vocabulary == vocabmap.DIFFERENT
+        drafted = 0
+        for prompt in TEXTS:
+            toks = e.tokenize(prompt)
+            ref = e.session().generate(toks, s, speculative=False).run().tokens
+            g = e.session().generate(toks, s).run()
+            assert g.tokens == ref and len(set(ref)) > 3
+            drafted += g.stats.n_drafted
+    assert drafted > 0
+
+
+def test_a_draft_that_needs_more_tokens_than_its_context_holds_stops_drafting(tiny_target, spm_model):
+    # random bytes take the SentencePiece draft (byte fallback) more tokens than the byte-level BPE target: with
+    # a context of the target's size the draft would overflow; it is given more, and past that it stops drafting
+    s = GenerationSettings(n_predict=60, draft_max=4)
+    with Engine(tiny_target, spm_model, ctx=128, threads=1, draft_ctx=None) as e:
+        assert e.dft_ctx.n_ctx >= 192  # (llama.cpp rounds it up)
+        toks = e.tokenize("你好，世界。今天天气很好。 emoji: 🙂🚀 ok 12345")
+        ref = e.session().generate(toks, s, speculative=False).run().tokens
+        g = e.session().generate(toks, s).run()
+        assert g.tokens == ref and g.stats.n_vocab_full > 0 and g.stats.n_drafted > 0
 
 
 def test_the_string_path_proposes_only_tokens_more_text_cannot_change(tokenizers):

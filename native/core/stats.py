@@ -61,6 +61,8 @@ class GenerationStats(Rates):
     stop_reason: str  # "eog" | "n_predict" | "ctx" | "interrupted"
     accept_mode: str = "greedy"  # "greedy" | "match" | "rejection"
     vocab_map: str | None = None  # a draft model of another vocabulary: its translation ("tli" | "string")
+    n_vocab_unaligned: int = 0  # such a draft's string-path steps with nothing to propose
+    n_vocab_full: int = 0  # such a draft's steps with no proposal: its context could not hold the text
     sample_ms: float = 0.0  # rejection mode: time in the sampling transform and acceptance (both models)
     n_plain_steps: int = 0  # draft_max=auto: steps that chose not to draft (probes excluded)
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning

@@ -28,6 +28,7 @@ SAME, PADDED, DIFFERENT = "same", "padded", "different"
 TLI, STRING, AUTO = "tli", "string", "auto"
 VOCAB_MAPS = (AUTO, TLI, STRING)
 SHARED_MIN = 0.02  # TLI stops drafting where less of the draft's mass than this is on shared tokens
+DRAFT_CTX_FACTOR = 1.5  # such a draft's context against the target's: its tokenizer may need more tokens
 OVERLAP_MIN = 0.25  # a draft whose overlap is below this is refused: too little of what it says can be proposed
 CALIBRATION = (
     "The committee met on Tuesday to review the budget. Revenue rose 12% to $4.2 million, while costs fell.\n"
@@ -124,6 +125,8 @@ class VocabBridge:
         for d in self.shared_d:
             groups.setdefault(int(self.d2t[d]), []).append(int(d))
         self.t2d = {t: ds[0] if len(ds) == 1 else draft.single(draft.pieces[ds[0]], ds) for t, ds in groups.items()}
+        self.groups = {t: np.array(ds) for t, ds in groups.items() if len(ds) > 1}  # several draft ids, one target id
+        self.widest = max((len(ds) for ds in groups.values()), default=1)
 
     @property
     def n_shared(self) -> int:
@@ -154,6 +157,29 @@ class VocabBridge:
         with np.errstate(divide="ignore"):
             out = np.log(summed / total).astype(np.float32)
         return out, float(summed.sum() / total)
+
+    def greedy(self, row: np.ndarray, top: int = 32) -> tuple[int, float, float]:
+        """project(row)'s argmax without projecting the whole row: (target id, its probability renormalised over
+        the shared tokens, the shared mass). The `top` most probable shared draft tokens decide it whenever no
+        target id outside them could sum to more (each sums at most `widest` draft tokens); else project()."""
+        z = np.asarray(row, dtype=np.float64)
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        ps = p[self.shared_d]
+        mass = float(ps.sum())
+        k = min(top, len(ps))
+        cand = np.argpartition(ps, -k)[-k:]
+        best_t, best = -1, -1.0
+        for t in {int(x) for x in self.shared_t[cand]}:
+            g = self.groups.get(t)
+            s = float(p[g].sum()) if g is not None else float(p[self.t2d[t]])
+            if s > best:
+                best_t, best = t, s
+        if k < len(ps) and float(ps[cand].min()) * self.widest > best:
+            projected, mass = self.project(row)
+            best_t = int(projected.argmax())
+            best = float(np.exp(projected[best_t]))
+        return best_t, best / mass if mass > 0 else 0.0, mass
 
     def overlap(self, logits: np.ndarray) -> float:
         """The mean share of the draft's probability mass on shared tokens over rows of its logits."""

@@ -107,12 +107,18 @@ class CrossVocabDrafter(ModelDrafter):
         draft = eng.draft
         self.text = DraftText(self.bridge, draft.bos if draft.add_bos else None)
         self.n_unaligned = 0  # string-path steps with nothing to propose: the tail's tokens changed
+        self.n_full = 0  # steps with no proposal: the draft's context could not hold the text
 
     # ---- the draft's memory of the committed text -------------------------------------------------------
-    def _catch_up(self, history: list[int], logits: str) -> int:
+    def _catch_up(self, history: list[int], logits: str, room: int = 0) -> int | None:
         """Hold the draft's tokens for `history`'s text: roll back to the common prefix, extend (the last row's
-        logits where asked: that one is then decoded again if already held). The tokens decoded."""
+        logits where asked: that one is then decoded again if already held). The tokens decoded; None where the
+        text and `room` more tokens would not fit the draft's context (its tokens may outnumber the target's)."""
         want, dft = self.text.sync(history), self.memory
+        if len(want) + room > dft.ctx.n_ctx:
+            self.n_full += 1
+            dft.truncate(common_prefix(dft.tokens, want))
+            return None
         n = common_prefix(dft.tokens, want)
         if logits == "last" and n == len(want):
             n -= 1
@@ -141,11 +147,11 @@ class CrossVocabDrafter(ModelDrafter):
 
     def read_prompt(self, spans: list[tuple[Span, float | AgreeRows]], last: int) -> PromptRead:
         """Read the prompt's text up to `last`; nothing timed or compared (the module's docstring)."""
-        self._catch_up(self.session.history[:last], logits="none")
+        self._catch_up(self.session.history[:last], logits="none")  # (a prompt too long for it: read when drafting)
         return PromptRead(timings=[Timing(span.pos, span.n, got, None) for span, got in spans if not span.agree])
 
     def counts(self) -> dict[str, int]:
-        return {"n_vocab_unaligned": self.n_unaligned}
+        return {"n_vocab_unaligned": self.n_unaligned, "n_vocab_full": self.n_full}
 
     # ---- proposals ------------------------------------------------------------------------------------
     @classmethod
@@ -155,9 +161,9 @@ class CrossVocabDrafter(ModelDrafter):
     def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
         clock = self.session.engine.clock
         t_start = clock()
-        behind = self._catch_up(self.session.history, logits="last")
-        if not self.text.complete:
-            return Proposal()  # the history ends inside a character: the draft has no row for it
+        behind = self._catch_up(self.session.history, logits="last", room=n_max + 2)
+        if behind is None or not self.text.complete:
+            return Proposal()  # no room, or the history ends inside a character: the draft has no row for it
         self.memory.save_checkpoint()
         t_loop = clock()
         if self.translation == STRING:
@@ -191,7 +197,10 @@ class CrossVocabDrafter(ModelDrafter):
                   samp: Sampling) -> tuple[int, SparseDist | None] | None:
         """The next TLI token and its q (None greedy), or None to stop: too little shared mass, a constraint that
         leaves nothing, or a top probability below p_min. The stops depend only on the draft's row."""
-        if samp.draft_tf is None or samp.guide is not None:
+        if samp.draft_tf is None and samp.guide is None:
+            tok, top, mass = bridge.greedy(row)
+            return None if mass < SHARED_MIN or p_min > 0 and top < p_min else (tok, None)
+        if samp.guide is not None:
             projected, mass = bridge.project(row)
             if mass < SHARED_MIN:
                 return None
@@ -252,7 +261,7 @@ def string_proposal(tgt: Tokenizer, history: list[int], draft_text: bytes, ended
             break
     else:
         return None
-    got = tgt.tokenize(tail + text, at_start=j == 0)
+    got = tgt.tokenize(tail + text, at_start=False)  # (a tail from the start holds the tokenizer's own prefix)
     n = len(history) - j
     if got[:n] == history[j:]:
         return got[n:]

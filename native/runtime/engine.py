@@ -161,6 +161,8 @@ class Engine:
         if self.vocabulary == vocabmap.DIFFERENT:
             self.vocab_bridge = vocabmap.VocabBridge(vocabmap.Tokenizer(self.target), vocabmap.Tokenizer(self.draft))
             self.vocab_map = vocab_map
+            if self.draft_n_ctx == self.config.ctx:  # the draft may need more tokens for the same text
+                self.draft_n_ctx = int(self.config.ctx * vocabmap.DRAFT_CTX_FACTOR)
 
     @property
     def vocab_translation(self) -> str | None:
