@@ -15,12 +15,14 @@ from specq.convert.pipeline import convert_pair
 from specq.errors import IncompatibleDraftError
 from specq.native.core import vocabmap
 from specq.native.core.accept import rejection_emit
+from specq.native.core.constraint import compile_constraint
 from specq.native.core.sampling import SparseDist, sample
 from specq.native.core.settings import GenerationSettings
 from specq.native.drafters.crossvocab import CrossVocabDrafter, DraftText, string_proposal
 from specq.native.llama import ffi as _ffi
 from specq.native.runtime.engine import Engine
 from stats import chi2_pvalue
+from test_constrained import ABC, OBJECT, abc_law
 from test_exactness import target_law
 from tinymodels import BIGRAM, merge_leaves, write_bigram_gguf, write_reindexed
 
@@ -179,6 +181,68 @@ def test_same_bytes_sum_onto_one_target_id_and_greedy_takes_the_sum():
     for _ in range(200):  # greedy's shortcut always agrees with the whole projection, flat rows included
         r = rng.standard_normal(7) * rng.choice([0.1, 3.0])
         assert bridge.greedy(r, top=1)[0] == int(bridge.project(r)[0].argmax())
+
+
+@pytest.mark.parametrize("vocab_map", MAPS)
+def test_under_a_grammar_greedy_output_is_constrained_decodings_without_a_draft(control, vocab_map):
+    # TLI masks its projected rows in target ids; the string path's proposals are cut at the first forbidden token
+    target, draft = control
+    with Engine(target, draft, ctx=256, threads=1, vocab_map=vocab_map) as e:
+        toks = e.tokenize("for i in range(10):")
+        s = GenerationSettings(n_predict=40, draft_max=4, constraint=compile_constraint(e.target, OBJECT))
+        want = e.session().generate(toks, s, speculative=False).run()
+        got = e.session().generate(toks, s).run()
+    assert got.tokens == want.tokens and want.text.startswith("{") and len(set(want.tokens)) > 5
+    assert got.stats.n_drafted_constrained > 0 and got.stats.n_masks > 0
+
+
+def test_tli_under_a_grammar_keeps_the_masked_targets_law_at_temperature_1(control):
+    target, draft = control
+    kw = dict(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, n_predict=3, draft_max=2)
+    with Engine(target, draft, ctx=128, threads=1, vocab_map="tli") as e:
+        toks = e.tokenize("Speculative")
+        c = compile_constraint(e.target, ABC)
+        law = abc_law(target, toks, 3)
+        ses, counts, drafted, accepted = e.session(), {}, 0, 0
+        for seed in range(3000):
+            ses.reset()
+            g = ses.generate(toks, GenerationSettings(seed=seed, constraint=c, **kw)).run()
+            counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
+            drafted, accepted = drafted + g.stats.n_drafted_constrained, accepted + g.stats.n_accepted_constrained
+    assert drafted > 1000 and 0 < accepted < drafted
+    assert chi2_pvalue(counts, law) > 0.001
+
+
+def test_serve_answers_through_a_translated_draft_and_reports_it(control, tmp_path):
+    # a real server (two sequences, both drafting) and the openai client: each completion is the target's own
+    openai = pytest.importorskip("openai")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serve_proc import ServerProc
+
+    target, draft = control
+    s = GenerationSettings(n_predict=32)
+    with Engine(target, ctx=256, threads=1) as alone:
+        want = {p: alone.target.detokenize(alone.session().generate(alone.tokenize(p), s, speculative=False)
+                                           .run().tokens) for p in PROMPTS[:2]}
+    srv = ServerProc(["--target", str(target), "--draft", str(draft), "--parallel", "2", "--draft-max", "4",
+                      "--threads", "1", "--ctx", "256"], tmp_path / "serve.log")
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+        def complete(prompt):
+            return c.completions.create(model=Path(target).stem, prompt=prompt, max_tokens=32, temperature=0)
+
+        with ThreadPoolExecutor(2) as pool:
+            got = dict(zip(want, pool.map(complete, want)))
+        metrics = srv.metrics()
+    finally:
+        srv.stop()
+    for prompt, r in got.items():
+        spec = r.usage.model_extra["speculative"]
+        assert r.choices[0].text == want[prompt]
+        assert spec["vocab_map"] == "tli" and spec["n_drafted"] > 0
+    assert 0.25 < metrics['specq:draft_vocab_overlap{vocab_map="tli"}'] < 1
 
 
 # ---- the text between tokenizers -----------------------------------------------------------------------------
