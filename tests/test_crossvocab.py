@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import demo_available
+import llama_vocabs
 from hfmodels import HFSpec, train_spm, write_spm_checkpoint
 from specq.convert.pipeline import convert_pair
 from specq.errors import IncompatibleDraftError
@@ -287,6 +288,53 @@ def test_the_drafts_tokens_follow_the_history_token_by_token_and_back(tokenizers
             # the draft holds exactly the committed text, whole characters (and its own space prefix, if any)
             assert dft.render(got) == (b" " if dft.prefix_space and done else b"") + done
         assert dt.sync(hist) == dft.tokenize(tgt.render(hist), at_start=True)
+
+
+@pytest.fixture(scope="module")
+def real_vocabs():
+    """llama.cpp's vocabulary files (tests/llama_vocabs.py) as Tokenizers, by name."""
+    missing = [n for n in llama_vocabs.NAMES if llama_vocabs.vocab_path(n) is None]
+    if missing:
+        pytest.skip(f"llama.cpp's vocabulary files are missing ({', '.join(missing)}): python tests/llama_vocabs.py")
+    models = {n: _ffi.Model(llama_vocabs.vocab_path(n), vocab_only=True) for n in llama_vocabs.NAMES}
+    yield {n: vocabmap.Tokenizer(m) for n, m in models.items()}
+    for m in models.values():
+        m.close()
+
+
+@pytest.mark.parametrize("name", llama_vocabs.NAMES)
+def test_the_drafts_memory_follows_texts_between_real_vocabularies(real_vocabs, name):
+    # llama.cpp's own tokenizer test texts of the target's vocabulary (whitespace runs, accents, CJK, emoji) and
+    # ours, grown token by token, cut back and grown again, with every other vocabulary as the draft
+    tgt = real_vocabs[name]
+    texts = [t for t in llama_vocabs.inp_texts(name) + TEXTS if t]
+    assert len(texts) > 20
+    for dname, dft in real_vocabs.items():
+        if dname == name:
+            continue
+        bridge, same = vocabmap.VocabBridge(tgt, dft), 0
+        for text in texts:
+            dt = DraftText(bridge, None)
+            hist = tgt.tokenize(text.encode(), at_start=True)
+            for n in list(range(1, len(hist) + 1)) + [len(hist) // 2, len(hist)]:
+                got = dt.sync(hist[:n])
+                done = tgt.render(hist[:n])
+                done = done[:vocabmap.char_end(done)]
+                assert dft.render(got) == (b" " if dft.prefix_space and done else b"") + done, (dname, text)
+            same += dt.sync(hist) == dft.tokenize(tgt.render(hist), at_start=True)
+        assert same >= 0.9 * len(texts), (dname, same, len(texts))  # mostly the draft's own split of the text
+
+
+@pytest.mark.parametrize("name", llama_vocabs.NAMES)
+def test_the_string_path_holds_back_the_last_word_in_real_vocabularies(real_vocabs, name):
+    tgt = real_vocabs[name]
+    full = tgt.tokenize("The quick brown fox jumps over the lazy dog, 你好 🙂".encode(), at_start=True)
+    hist = tgt.tokenize(b"The quick brown", at_start=True)
+    assert full[:len(hist)] == hist
+    got = string_proposal(tgt, hist, b" fox jum", ended=False)
+    assert got == full[len(hist):len(hist) + len(got)] and tgt.render(got) == b" fox"
+    got = string_proposal(tgt, hist, " fox jumps over the lazy dog, 你好 🙂".encode(), ended=True)
+    assert got == full[len(hist):]
 
 
 def test_a_space_prefixing_tokenizer_is_recognised(tokenizers):

@@ -24,7 +24,7 @@ from ..core.accept import top_probability
 from ..core.memory import common_prefix
 from ..core.sampling import Sampling, SparseDist, sample
 from ..core.vocabmap import SHARED_MIN, STRING, Tokenizer, VocabBridge, char_end
-from .base import CATCHUP_SHORT, PromptRead, Proposal, Timing, proposal_with_costs
+from .base import CATCHUP_SHORT, PromptRead, Proposal, Timing, pick_loop, proposal_with_costs
 from .model import ModelDrafter
 from .ngram import point_mass
 
@@ -71,7 +71,7 @@ class DraftText:
         if n < len(self.src):
             cut = self.src_ends[n - 1] if n else 0
             del self.src[n:], self.src_ends[n:], self.text[cut:]
-            k = bisect_right(self.ends, cut)
+            k = bisect_right(self.ends, cut) if cut else 0  # (a space prefix's token ends at 0)
             del self.tokens[k:], self.ends[k:]
         for t in history[n:]:
             if not (len(self.src) == 0 and t == tgt.model.bos and not tgt.is_text[t]):
@@ -88,6 +88,8 @@ class DraftText:
         while k > 0 and not dft.boundary_ok(text, self.ends[k - 1]):
             k -= 1
         start = self.ends[k - 1] if k else 0
+        if start == 0:
+            k = 0  # from the text's start, as a whole (a space prefix's token ends at 0 too)
         if end <= start or end == (self.ends[-1] if self.ends else 0):
             return  # nothing new to cover
         new = dft.tokenize(bytes(text[start:end]), at_start=start == 0)
@@ -178,20 +180,10 @@ class CrossVocabDrafter(ModelDrafter):
 
     def _tli(self, n_max: int, s: GenerationSettings, samp: Sampling) -> tuple[list[int], list[SparseDist]]:
         """TLI: each token from the draft's distribution over shared tokens, in target ids (greedy: its top)."""
-        drafts: list[int] = []
-        dists: list[SparseDist] = []
-        until, bridge = self.session.until, self.bridge
-        while len(drafts) < n_max:
-            got = self._tli_pick(bridge, self._row(), drafts, s.p_min, samp)
-            if got is None:
-                break
-            drafts.append(got[0])
-            if got[1] is not None:
-                dists.append(got[1])
-            if len(drafts) >= n_max or until is not None and until(drafts):
-                break
-            self.memory.extend([bridge.t2d[got[0]]], logits="last")
-        return drafts, dists
+        bridge = self.bridge
+        return pick_loop(self._row, lambda tok, i: self.memory.extend([bridge.t2d[tok]], logits="last"), n_max,
+                         s.p_min, samp, self.bridge.n_target, self.session.engine.clock, self.session.until,
+                         choose=lambda drafts: self._tli_pick(bridge, self._row(), drafts, s.p_min, samp))
 
     def _tli_pick(self, bridge: VocabBridge, row: np.ndarray, drafts: list[int], p_min: float,
                   samp: Sampling) -> tuple[int, SparseDist | None] | None:
