@@ -214,6 +214,23 @@ def test_tli_under_a_grammar_keeps_the_masked_targets_law_at_temperature_1(contr
     assert chi2_pvalue(counts, law) > 0.001
 
 
+def test_tune_measures_a_translated_draft_and_reports_it(control):
+    # tune times the draft on its own tokens (never the target's ids) and says which translation ran
+    import json
+
+    from typer.testing import CliRunner
+
+    from specq.cli.main import app
+
+    target, draft = control
+    r = CliRunner().invoke(app, ["tune", "--target", str(target), "--draft", str(draft), "--threads", "1",
+                                 "--json", "-"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["vocab_map"] == "tli" and 0.25 < doc["vocab_overlap"] < 1
+    assert doc["draft_ms"] > 0 and doc["accept_rate"] > 0.5
+
+
 def test_serve_answers_through_a_translated_draft_and_reports_it(control, tmp_path):
     # a real server (two sequences, both drafting) and the openai client: each completion is the target's own
     openai = pytest.importorskip("openai")
@@ -242,7 +259,7 @@ def test_serve_answers_through_a_translated_draft_and_reports_it(control, tmp_pa
     for prompt, r in got.items():
         spec = r.usage.model_extra["speculative"]
         assert r.choices[0].text == want[prompt]
-        assert spec["vocab_map"] == "tli" and spec["n_drafted"] > 0
+        assert spec["vocab_map"] == "tli" and spec["n_drafted"] > 0 and 0.25 < spec["vocab_overlap"] < 1
     assert 0.25 < metrics['specq:draft_vocab_overlap{vocab_map="tli"}'] < 1
 
 

@@ -37,6 +37,8 @@ class TuneResult:
     temp: float
     drafter: str = "model"
     alpha: float | None = None  # n_accepted / draft positions reached (per-position acceptance, Rates.alpha)
+    vocab_map: str | None = None  # a draft of another vocabulary: its translation, and its overlap
+    vocab_overlap: float | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -83,9 +85,9 @@ def measure_costs(eng: Engine, prompt: list[int], max_batch: int, reps: int = 5)
               for b in sorted({1, 2, 3, 5, 9, 17, max_batch} & set(range(1, max_batch + 1)))}
     if dft is None:  # no draft model: the drafters' own cost comes from the calibration runs
         return verify, None
-    dft.extend(ses.history[len(dft.tokens):], logits="last")
+    model.read_to(len(ses.history))  # the whole prompt, in the draft's own tokens (another vocabulary's too)
     m = len(dft.tokens)
-    return verify, _median_ms(lambda: timed(dft, [prompt[-1]], m, "last"), reps * 2)
+    return verify, _median_ms(lambda: timed(dft, [dft.tokens[-1]], m, "last"), reps * 2)
 
 
 def calibrate(eng: Engine, prompts: tuple[str, ...] = DEFAULT_PROMPTS, n_predict: int = 64, draft_max: int = 8,
@@ -133,6 +135,7 @@ def calibrate(eng: Engine, prompts: tuple[str, ...] = DEFAULT_PROMPTS, n_predict
         accept_by_pos=tuple(alphas), accept_rate=accepted / drafted if drafted else None,
         target_ms=verify[1], draft_ms=draft_ms, cost_ratio=draft_ms / verify[1], verify_ms=verify,
         recommended_draft_max=k, predicted_speedup=rate / plain, temp=temp, drafter=drafter,
+        vocab_map=eng.vocab_translation, vocab_overlap=eng.vocab_overlap,
         alpha=accepted / tried if tried else None)
 
 

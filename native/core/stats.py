@@ -61,6 +61,7 @@ class GenerationStats(Rates):
     stop_reason: str  # "eog" | "n_predict" | "ctx" | "interrupted"
     accept_mode: str = "greedy"  # "greedy" | "match" | "rejection"
     vocab_map: str | None = None  # a draft model of another vocabulary: its translation ("tli" | "string")
+    vocab_overlap: float | None = None  # and its overlap (core/vocabmap.py)
     n_vocab_unaligned: int = 0  # such a draft's string-path steps with nothing to propose
     n_vocab_full: int = 0  # such a draft's steps with no proposal: its context could not hold the text
     sample_ms: float = 0.0  # rejection mode: time in the sampling transform and acceptance (both models)

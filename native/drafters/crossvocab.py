@@ -152,6 +152,10 @@ class CrossVocabDrafter(ModelDrafter):
         self._catch_up(self.session.history[:last], logits="none")  # (a prompt too long for it: read when drafting)
         return PromptRead(timings=[Timing(span.pos, span.n, got, None) for span, got in spans if not span.agree])
 
+    def read_to(self, pos: int) -> int:
+        """Hold the draft's tokens for the history's text up to (not including) pos; the tokens decoded."""
+        return self._catch_up(self.session.history[:pos], logits="none") or 0
+
     def counts(self) -> dict[str, int]:
         return {"n_vocab_unaligned": self.n_unaligned, "n_vocab_full": self.n_full}
 

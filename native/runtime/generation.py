@@ -96,6 +96,7 @@ def make_stats(g: Generation, stop: str, gen_s: float) -> GenerationStats:
             "greedy" if s.temp <= 0 else "sample"),
         sample_ms=samp.sample_s * 1e3 if samp else 0.0,
         vocab_map=g.session.engine.vocab_translation if g.speculative else None,
+        vocab_overlap=g.session.engine.vocab_overlap if g.speculative else None,
         n_vocab_unaligned=grew.get("n_vocab_unaligned", 0), n_vocab_full=grew.get("n_vocab_full", 0),
         n_plain_steps=ctrl.n_plain_steps - p.plain_steps_at_start if ctrl else 0,
         n_probes=ctrl.n_probes - p.probes_at_start if ctrl else 0, n_handovers=p.n_handovers,

@@ -405,8 +405,8 @@ def usage(o: Outcome) -> dict:
         if o.shared_time is not None:
             spec["shared_time"] = o.shared_time
         spec["constrained"] = st.constrained  # INTERFACES.md: a bool
-        if st.vocab_map is not None:  # a draft of another vocabulary: its translation
-            spec["vocab_map"] = st.vocab_map
+        if st.vocab_map is not None:  # a draft of another vocabulary: its translation and overlap
+            spec.update(vocab_map=st.vocab_map, vocab_overlap=round(st.vocab_overlap, 4))
         if st.n_drafted_store or st.n_drafted_text:  # --drafter suffix: from earlier answers, from this text
             spec.update(n_drafted_store=st.n_drafted_store, n_accepted_store=st.n_accepted_store,
                         n_drafted_text=st.n_drafted_text, n_accepted_text=st.n_accepted_text)
