@@ -186,7 +186,7 @@ class Engine:
     def _check_overlap(self) -> None:
         """Measure the overlap (vocabmap's glossary) on the calibration text; refuse a draft with too little."""
         c, bridge = self.dft_ctx, self.vocab_bridge
-        toks = self.draft.tokenize(vocabmap.CALIBRATION, add_special=True, parse_special=False)
+        toks = self.draft.tokenize(vocabmap.CALIBRATION, add_special=True, parse_special=False)[:c.n_ctx - 1]
         rows = []
         step = max(1, min(c.n_outputs_max, c.n_batch))
         for i in range(0, len(toks), step):
