@@ -25,7 +25,7 @@ from specq.native.runtime.engine import Engine
 from stats import chi2_pvalue
 from test_constrained import ABC, OBJECT, abc_law
 from test_exactness import target_law
-from tinymodels import BIGRAM, merge_leaves, write_bigram_gguf, write_reindexed
+from tinymodels import BIGRAM, merge_leaves, write_bigram_gguf, write_reindexed, write_tiny_over_vocab
 
 REMOVED = merge_leaves(BIGRAM)[:32]  # of the tiny vocabulary's 322 tokens: their text splits in two in the target
 PROMPTS = ["The quick brown", "Speculative decoding", "for i in range(10):", "你好，世界。 emoji: 🙂"]
@@ -354,6 +354,45 @@ def test_the_string_path_holds_back_the_last_word_in_real_vocabularies(real_voca
     assert got == full[len(hist):]
 
 
+@pytest.fixture(scope="module")
+def over_vocab(real_vocabs, models_dir):
+    """A tiny random model over one of llama.cpp's vocabulary files, written once per module (copying a 262k-token
+    vocabulary takes gguf-py seconds)."""
+    made: dict[str, Path] = {}
+
+    def get(name: str, seed: int) -> Path:
+        if name not in made:
+            made[name] = write_tiny_over_vocab(models_dir / f"over-{name}.gguf", llama_vocabs.vocab_path(name), seed)
+        return made[name]
+    return get
+
+
+@pytest.mark.parametrize("vocab_map", MAPS)
+@pytest.mark.parametrize("target_vocab,draft_vocab", [("gemma-4", "qwen2"), ("llama-spm", "gpt-2")])
+def test_greedy_output_is_the_targets_over_real_vocabularies(over_vocab, monkeypatch, target_vocab, draft_vocab,
+                                                            vocab_map):
+    # tiny random models over llama.cpp's vocabulary files (their tokenizers whole): answers of rare tokens, cut
+    # characters and whitespace runs; a random draft shares little mass, so the overlap floor is lowered
+    monkeypatch.setattr(vocabmap, "OVERLAP_MIN", 0.0)
+    target, draft = over_vocab(target_vocab, 1), over_vocab(draft_vocab, 2)
+    assert_greedy_identity(target, draft, vocab_map, TEXTS[:2], GenerationSettings(n_predict=24, draft_max=3))
+
+
+def assert_greedy_identity(target, draft, vocab_map: str, prompts: list[str], s: GenerationSettings) -> None:
+    """Through the translation, every greedy answer is the target alone's (not one token repeated), and drafting
+    happened."""
+    with Engine(target, draft, ctx=256, threads=1, vocab_map=vocab_map) as e:
+        assert e.vocabulary == vocabmap.DIFFERENT
+        drafted = 0
+        for prompt in prompts:
+            toks = e.tokenize(prompt)
+            ref = e.session().generate(toks, s, speculative=False).run().tokens
+            g = e.session().generate(toks, s).run()
+            assert g.tokens == ref and len(set(ref)) > 3
+            drafted += g.stats.n_drafted
+    assert drafted > 0
+
+
 def test_a_space_prefixing_tokenizer_is_recognised(tokenizers):
     assert [t.prefix_space for t in tokenizers[:3]] == [False, False, True]
 
@@ -364,17 +403,7 @@ def test_greedy_output_is_the_targets_across_bpe_and_sentencepiece(tiny_target, 
     # random weights: text full of byte tokens and cut characters, which the draft's memory must follow
     bpe = tiny_target
     target, draft = (spm_model, bpe) if spm_side == "target" else (bpe, spm_model)
-    s = GenerationSettings(n_predict=40, draft_max=4)
-    with Engine(target, draft, ctx=256, threads=1, vocab_map=vocab_map) as e:
-        assert e.vocabulary == vocabmap.DIFFERENT
-        drafted = 0
-        for prompt in TEXTS:
-            toks = e.tokenize(prompt)
-            ref = e.session().generate(toks, s, speculative=False).run().tokens
-            g = e.session().generate(toks, s).run()
-            assert g.tokens == ref and len(set(ref)) > 3
-            drafted += g.stats.n_drafted
-    assert drafted > 0
+    assert_greedy_identity(target, draft, vocab_map, TEXTS, GenerationSettings(n_predict=40, draft_max=4))
 
 
 def test_a_draft_that_needs_more_tokens_than_its_context_holds_stops_drafting(tiny_target, spm_model):

@@ -186,8 +186,13 @@ def _write_llama(path: Path, name: str, spec: TinySpec, tokens: list[str], types
     writer.add_eos_token_id(eos_id)
     writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHAT_TEMPLATE)
-    for name_, arr in w.items():
-        writer.add_tensor(name_, arr)
+    return _finish(writer, w, path)
+
+
+def _finish(writer: "gguf.GGUFWriter", w: dict[str, np.ndarray], path: Path) -> Path:
+    """Add the tensors and write the file."""
+    for name, arr in w.items():
+        writer.add_tensor(name, arr)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -230,6 +235,31 @@ def write_bigram_gguf(path: str | Path, spec: TinySpec = BIGRAM, sharpness: floa
     tokens, _ = vocab(spec.n_merges)
     w = bigram_weights(spec, toks, len(tokens), sharpness, mix)
     return write_tiny_gguf(path, seed=0, spec=spec, edit_weights=lambda _: w)
+
+
+def write_tiny_over_vocab(path: str | Path, vocab_file: str | Path, seed: int = 0,
+                          spec: TinySpec = TinySpec(n_embd=16, n_head=2, n_head_kv=1, n_ff=32)) -> Path:
+    """A tiny llama model (random weights) over a real vocabulary: every tokenizer field of `vocab_file` (one of
+    llama.cpp's vocab-only `ggml-vocab-*.gguf`) copied, one embedding and output row per token."""
+    path = Path(path)
+    r = gguf.GGUFReader(str(vocab_file))
+    n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
+    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"specq-tiny-over-{Path(vocab_file).stem}")
+    for k, v in (("context_length", spec.n_ctx), ("embedding_length", spec.n_embd), ("block_count", spec.n_layer),
+                 ("feed_forward_length", spec.n_ff), ("attention.head_count", spec.n_head),
+                 ("attention.head_count_kv", spec.n_head_kv), ("rope.dimension_count", spec.n_embd // spec.n_head)):
+        w.add_uint32(f"{arch}.{k}", v)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_vocab_size(n_vocab)
+    for name, f in r.fields.items():
+        if name.startswith("tokenizer."):
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    return _finish(w, weights(spec, n_vocab, seed), path)
 
 
 def merge_leaves(spec: TinySpec = TinySpec(), removed: set[str] = frozenset()) -> list[str]:
