@@ -21,6 +21,7 @@ from specq.native.core.sampling import SparseDist, sample
 from specq.native.core.settings import GenerationSettings
 from specq.native.drafters.crossvocab import CrossVocabDrafter, DraftText, string_proposal
 from specq.native.llama import ffi as _ffi
+from specq.native.runtime.batch import Batch
 from specq.native.runtime.engine import Engine
 from stats import chi2_pvalue
 from test_constrained import ABC, OBJECT, abc_law
@@ -212,6 +213,26 @@ def test_tli_under_a_grammar_keeps_the_masked_targets_law_at_temperature_1(contr
             drafted, accepted = drafted + g.stats.n_drafted_constrained, accepted + g.stats.n_accepted_constrained
     assert drafted > 1000 and 0 < accepted < drafted
     assert chi2_pvalue(counts, law) > 0.001
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+def test_sequences_of_a_batch_draft_together_through_tli_and_each_equals_its_answer_alone(control, temp):
+    # one draft decode per position over the sequences still drafting; greedy answers are each one's answer alone
+    # (sampled ones follow the same law, shown alone by the chi-square tests; here they must only run and draft)
+    target, draft = control
+    s = GenerationSettings(n_predict=32, draft_max=4, temp=temp, seed=7)
+    with Engine(target, draft, ctx=256, threads=1) as one:
+        want = [one.session().generate(one.tokenize(p), s).run().tokens for p in PROMPTS[:3]]
+    with Engine(target, draft, ctx=256, threads=1, parallel=3) as e:
+        batch = Batch()
+        gens = [e.session(i).generate(e.tokenize(p), s) for i, p in enumerate(PROMPTS[:3])]
+        for g in gens:
+            batch.add(g)
+        batch.run()
+        batched = sum(e_ses.drafters["model"].n_batched for e_ses in (g.session for g in gens))
+    assert batch.most_in_a_step == 3 and batched > 10
+    for g, w in zip(gens, want):
+        assert (g.tokens == w or temp > 0) and len(g.tokens) == 32 and g.stats.n_drafted > 0
 
 
 def test_tune_measures_a_translated_draft_and_reports_it(control):

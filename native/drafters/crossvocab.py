@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..core.accept import top_probability
-from ..core.memory import common_prefix
+from ..core.memory import common_prefix, extend_many
 from ..core.sampling import Sampling, SparseDist, sample
 from ..core.vocabmap import SHARED_MIN, STRING, Tokenizer, VocabBridge, char_end
 from .base import CATCHUP_SHORT, PromptRead, Proposal, Timing, pick_loop, proposal_with_costs
@@ -110,23 +110,32 @@ class CrossVocabDrafter(ModelDrafter):
         self.text = DraftText(self.bridge, draft.bos if draft.add_bos else None)
         self.n_unaligned = 0  # string-path steps with nothing to propose: the tail's tokens changed
         self.n_full = 0  # steps with no proposal: the draft's context could not hold the text
+        self.n_batched = 0  # proposals drafted beside other sequences' (propose_batch)
 
     # ---- the draft's memory of the committed text -------------------------------------------------------
     def _catch_up(self, history: list[int], logits: str, room: int = 0) -> int | None:
-        """Hold the draft's tokens for `history`'s text: roll back to the common prefix, extend (the last row's
-        logits where asked: that one is then decoded again if already held). The tokens decoded; None where the
-        text and `room` more tokens would not fit the draft's context (its tokens may outnumber the target's)."""
+        """Hold the draft's tokens for `history`'s text (`_behind`, then decode them). The tokens decoded; None
+        where the text and `room` more tokens would not fit the draft's context."""
+        todo = self._behind(history, logits == "last", room)
+        if todo is not None:
+            self.memory.extend(todo, logits=logits)
+        return None if todo is None else len(todo)
+
+    def _behind(self, history: list[int], last_row: bool, room: int) -> list[int] | None:
+        """Roll the memory back to the common prefix with the draft's tokens for `history`'s text; the tokens to
+        decode after it (where the last row's logits are wanted, at least that row, decoded again if held). None
+        where the text and `room` more tokens would not fit the draft's context (its tokens may outnumber the
+        target's): the memory is then only rolled back."""
         want, dft = self.text.sync(history), self.memory
+        n = common_prefix(dft.tokens, want)
         if len(want) + room > dft.ctx.n_ctx:
             self.n_full += 1
-            dft.truncate(common_prefix(dft.tokens, want))
+            dft.truncate(n)
             return None
-        n = common_prefix(dft.tokens, want)
-        if logits == "last" and n == len(want):
+        if last_row and n == len(want):
             n -= 1
         dft.truncate(n)
-        dft.extend(want[n:], logits=logits)
-        return len(want) - n
+        return want[n:]
 
     def rewind(self) -> None:
         self.memory.truncate(common_prefix(self.memory.tokens, self.text.sync(self.session.history)))
@@ -162,7 +171,45 @@ class CrossVocabDrafter(ModelDrafter):
     # ---- proposals ------------------------------------------------------------------------------------
     @classmethod
     def propose_batch(cls, asks: list[tuple[CrossVocabDrafter, int, GenerationSettings, Sampling]]) -> list[Proposal]:
-        return [d.propose(n, s, samp) for d, n, s, samp in asks]
+        """TLI for several sequences of one draft context: the catch-ups in one decode where they fit a batch, then
+        one decode per draft position over the sequences still drafting (ModelDrafter.propose_batch's shape). The
+        string path drafts one sequence at a time."""
+        if len(asks) <= 1 or any(d.translation == STRING for d, *_ in asks):
+            return [d.propose(n, s, samp) for d, n, s, samp in asks]
+        clock = asks[0][0].session.engine.clock
+        t_start = clock()
+        todo = [d._behind(d.session.history, True, n + 2) for d, n, _, _ in asks]
+        live = [i for i, (d, *_) in enumerate(asks) if todo[i] is not None and d.text.complete]
+        parts = [(asks[i][0].memory, todo[i], "last") for i in live]
+        if sum(len(t) for _, t, _ in parts) > asks[0][0].memory.ctx.n_batch:
+            for m, t, _ in parts:  # long catch-ups first, one at a time
+                m.extend(t[:-1], logits="none")
+            parts = [(m, t[-1:], "last") for m, t, _ in parts]
+        extend_many(parts)
+        for i in live:
+            asks[i][0].memory.save_checkpoint()
+            asks[i][0].n_batched += 1
+        t_loop = clock()
+        drafts: list[list[int]] = [[] for _ in asks]
+        dists: list[list[SparseDist]] = [[] for _ in asks]
+        active = live
+        while active:
+            more = []
+            for i in active:
+                d, n_max, s, samp = asks[i]
+                got = d._tli_pick(d.bridge, d._row(), drafts[i], s.p_min, samp)
+                if got is not None:
+                    drafts[i].append(got[0])
+                    if got[1] is not None:
+                        dists[i].append(got[1])
+                    if len(drafts[i]) < n_max and (d.session.until is None or not d.session.until(drafts[i])):
+                        more.append(i)
+            extend_many([(asks[i][0].memory, [asks[i][0].bridge.t2d[drafts[i][-1]]], "last") for i in more])
+            active = more
+        t_end = clock()
+        return [proposal_with_costs(drafts[i], dists[i], len(todo[i]), t_start,
+                                    t_start if len(todo[i]) <= CATCHUP_SHORT else None, t_loop, t_end)
+                if i in live else Proposal() for i in range(len(asks))]
 
     def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
         clock = self.session.engine.clock
