@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..core.accept import top_probability
-from ..core.memory import common_prefix, extend_many
+from ..core.memory import common_prefix
 from ..core.sampling import Sampling, SparseDist, sample
 from ..core.vocabmap import SHARED_MIN, STRING, Tokenizer, VocabBridge, char_end
-from .base import CATCHUP_SHORT, PromptRead, Proposal, Timing, pick_loop, proposal_with_costs
+from .base import PromptRead, Proposal, Timing
 from .model import ModelDrafter
 from .ngram import point_mass
 
@@ -53,7 +53,6 @@ class DraftText:
         self.text = bytearray()
         self.tokens: list[int] = []
         self.ends: list[int] = []
-        self.n_retokenized = 0  # draft tokens tokenized so far (the work sync does)
 
     @property
     def complete(self) -> bool:
@@ -93,7 +92,6 @@ class DraftText:
         if end <= start or end == (self.ends[-1] if self.ends else 0):
             return  # nothing new to cover
         new = dft.tokenize(bytes(text[start:end]), at_start=start == 0)
-        self.n_retokenized += len(new)
         self.tokens[k:] = new
         self.ends[k:] = dft.ends(new, start, end - start)
 
@@ -110,7 +108,6 @@ class CrossVocabDrafter(ModelDrafter):
         self.text = DraftText(self.bridge, draft.bos if draft.add_bos else None)
         self.n_unaligned = 0  # string-path steps with nothing to propose: the tail's tokens changed
         self.n_full = 0  # steps with no proposal: the draft's context could not hold the text
-        self.n_batched = 0  # proposals drafted beside other sequences' (propose_batch)
 
     # ---- the draft's memory of the committed text -------------------------------------------------------
     def _catch_up(self, history: list[int], logits: str, room: int = 0) -> int | None:
@@ -145,7 +142,7 @@ class CrossVocabDrafter(ModelDrafter):
         self.text = DraftText(self.bridge, self.text.head[0] if self.text.head else None)
 
     def behind(self) -> int:
-        return max(len(self.text.all()) - len(self.memory.tokens), 1)
+        return max(len(self.text.head) + len(self.text.tokens) - len(self.memory.tokens), 1)
 
     def share_prefix(self, other, n: int, prompt: list[int]) -> None:
         """Nothing shared: its memory is in draft tokens, not the target's."""
@@ -168,78 +165,34 @@ class CrossVocabDrafter(ModelDrafter):
     def counts(self) -> dict[str, int]:
         return {"n_vocab_unaligned": self.n_unaligned, "n_vocab_full": self.n_full}
 
-    # ---- proposals ------------------------------------------------------------------------------------
+    # ---- proposals: ModelDrafter.propose and propose_batch, through these --------------------------------
     @classmethod
     def propose_batch(cls, asks: list[tuple[CrossVocabDrafter, int, GenerationSettings, Sampling]]) -> list[Proposal]:
-        """TLI for several sequences of one draft context: the catch-ups in one decode where they fit a batch, then
-        one decode per draft position over the sequences still drafting (ModelDrafter.propose_batch's shape). The
-        string path drafts one sequence at a time."""
-        if len(asks) <= 1 or any(d.translation == STRING for d, *_ in asks):
+        """TLI drafts a batch's sequences together (ModelDrafter.propose_batch); the string path one at a time."""
+        if any(d.translation == STRING for d, *_ in asks):
             return [d.propose(n, s, samp) for d, n, s, samp in asks]
-        clock = asks[0][0].session.engine.clock
-        t_start = clock()
-        todo = [d._behind(d.session.history, True, n + 2) for d, n, _, _ in asks]
-        live = [i for i, (d, *_) in enumerate(asks) if todo[i] is not None and d.text.complete]
-        parts = [(asks[i][0].memory, todo[i], "last") for i in live]
-        if sum(len(t) for _, t, _ in parts) > asks[0][0].memory.ctx.n_batch:
-            for m, t, _ in parts:  # long catch-ups first, one at a time
-                m.extend(t[:-1], logits="none")
-            parts = [(m, t[-1:], "last") for m, t, _ in parts]
-        extend_many(parts)
-        for i in live:
-            asks[i][0].memory.save_checkpoint()
-            asks[i][0].n_batched += 1
-        t_loop = clock()
-        drafts: list[list[int]] = [[] for _ in asks]
-        dists: list[list[SparseDist]] = [[] for _ in asks]
-        active = live
-        while active:
-            more = []
-            for i in active:
-                d, n_max, s, samp = asks[i]
-                got = d._tli_pick(d.bridge, d._row(), drafts[i], s.p_min, samp)
-                if got is not None:
-                    drafts[i].append(got[0])
-                    if got[1] is not None:
-                        dists[i].append(got[1])
-                    if len(drafts[i]) < n_max and (d.session.until is None or not d.session.until(drafts[i])):
-                        more.append(i)
-            extend_many([(asks[i][0].memory, [asks[i][0].bridge.t2d[drafts[i][-1]]], "last") for i in more])
-            active = more
-        t_end = clock()
-        return [proposal_with_costs(drafts[i], dists[i], len(todo[i]), t_start,
-                                    t_start if len(todo[i]) <= CATCHUP_SHORT else None, t_loop, t_end)
-                if i in live else Proposal() for i in range(len(asks))]
+        return super().propose_batch(asks)
 
-    def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
-        clock = self.session.engine.clock
-        t_start = clock()
-        behind = self._catch_up(self.session.history, logits="last", room=n_max + 2)
-        if behind is None or not self.text.complete:
-            return Proposal()  # no room, or the history ends inside a character: the draft has no row for it
-        self.memory.save_checkpoint()
-        t_loop = clock()
-        if self.translation == STRING:
-            drafts, dists = self._string(n_max, s, samp)
-        else:
-            drafts, dists = self._tli(n_max, s, samp)
-        return proposal_with_costs(drafts, dists, behind, t_start, t_start if behind <= CATCHUP_SHORT else None,
-                                   t_loop, clock())
+    def _to_decode(self, n_max: int) -> list[int] | None:
+        """The draft's tokens for the history's text not yet decoded (_behind); None where they and a draft would
+        not fit its context, or the history ends inside a character (the draft has no row for it)."""
+        todo = self._behind(self.session.history, True, n_max + 2)
+        return todo if todo is not None and self.text.complete else None
+
+    def _fed(self, tok: int) -> int:
+        return self.bridge.t2d[tok]
+
+    def _draft(self, n_max: int, s: GenerationSettings, samp: Sampling) -> tuple[list[int], list[SparseDist]]:
+        return self._string(n_max, s, samp) if self.translation == STRING else super()._draft(n_max, s, samp)
 
     def _row(self) -> np.ndarray:
         return self.memory.ctx.logits(1)[0]
 
-    def _tli(self, n_max: int, s: GenerationSettings, samp: Sampling) -> tuple[list[int], list[SparseDist]]:
-        """TLI: each token from the draft's distribution over shared tokens, in target ids (greedy: its top)."""
-        bridge = self.bridge
-        return pick_loop(self._row, lambda tok, i: self.memory.extend([bridge.t2d[tok]], logits="last"), n_max,
-                         s.p_min, samp, self.bridge.n_target, self.session.engine.clock, self.session.until,
-                         choose=lambda drafts: self._tli_pick(bridge, self._row(), drafts, s.p_min, samp))
-
-    def _tli_pick(self, bridge: VocabBridge, row: np.ndarray, drafts: list[int], p_min: float,
-                  samp: Sampling) -> tuple[int, SparseDist | None] | None:
-        """The next TLI token and its q (None greedy), or None to stop: too little shared mass, a constraint that
-        leaves nothing, or a top probability below p_min. The stops depend only on the draft's row."""
+    def _pick(self, drafts: list[int], s: GenerationSettings, samp: Sampling) -> tuple[int, SparseDist | None] | None:
+        """TLI's next token in target ids and its q (None greedy), from the draft's distribution over shared tokens
+        (greedy: its top), or None to stop: too little shared mass, a constraint that leaves nothing, or a top
+        probability below p_min. The stops depend only on the draft's row."""
+        bridge, row, p_min = self.bridge, self._row(), s.p_min
         if samp.draft_tf is None and samp.guide is None:
             tok, top, mass = bridge.greedy(row)
             return None if mass < SHARED_MIN or p_min > 0 and top < p_min else (tok, None)

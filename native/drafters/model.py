@@ -9,7 +9,7 @@ import numpy as np
 
 from ...errors import UsageError
 from ..core.memory import Memory, common_prefix, extend_many
-from ..core.sampling import Sampling
+from ..core.sampling import Sampling, SparseDist
 from ..core.settings import AGREE_TOKENS, DRAFT_SINK
 from ..llama import ffi as _ffi
 from .base import (CATCHUP_SHORT, Agreement, Drafter, PromptRead, Proposal, Timing, pick, pick_loop,
@@ -46,6 +46,7 @@ class ModelDrafter(Drafter):
         # the last agreement's (position, the target's choices, the rows where the draft's were the same)
         self.agree_rows: tuple[int, np.ndarray, np.ndarray] | None = None
         self.prompt_read = PromptRead()  # what the last read of a prompt found
+        self.n_batched = 0  # proposals drafted beside other sequences' (propose_batch)
 
     @classmethod
     def provide(cls, engine: Engine) -> _ffi.Context | None:
@@ -101,18 +102,17 @@ class ModelDrafter(Drafter):
     def propose(self, n_max: int, s: GenerationSettings, samp: Sampling) -> Proposal:
         """Draft up to n_max tokens: greedy, or sampled from the draft's transformed distribution (rejection);
         stops early where the draft's top probability < p_min. The catch-up decode yields the first token."""
-        dft, hist, clock = self.memory, self.session.history, self.session.engine.clock
+        clock = self.session.engine.clock
         t_start = clock()
-        self.fit(len(hist) + n_max)
-        seen = dft.next_index()
-        catchup = len(hist) - seen
-        dft.extend(hist[seen:], logits="last")  # catch up, incl. the last token
-        dft.save_checkpoint()
+        todo = self._to_decode(n_max)
+        if todo is None:
+            return Proposal()
+        self.memory.extend(todo, logits="last")  # catch up, incl. the last token
+        self.memory.save_checkpoint()
         t_loop = clock()
-        drafts, dists = pick_loop(lambda: dft.ctx.logits(1)[0], lambda tok, i: dft.extend([tok], logits="last"),
-                                  n_max, s.p_min, samp, self.session.engine.target.n_vocab, clock, self.session.until)
-        return proposal_with_costs(drafts, dists, catchup, t_start, t_start if catchup <= CATCHUP_SHORT else None,
-                                   t_loop, clock())
+        drafts, dists = self._draft(n_max, s, samp)
+        return proposal_with_costs(drafts, dists, len(todo), t_start,
+                                   t_start if len(todo) <= CATCHUP_SHORT else None, t_loop, clock())
 
     @classmethod
     def propose_batch(cls, asks: list[tuple[ModelDrafter, int, GenerationSettings, Sampling]]) -> list[Proposal]:
@@ -122,29 +122,28 @@ class ModelDrafter(Drafter):
         if len(asks) <= 1:
             return [d.propose(n, s, samp) for d, n, s, samp in asks]
         clock = asks[0][0].session.engine.clock
-        n_vocab = asks[0][0].session.engine.target.n_vocab
         t_start = clock()
-        behind = []
-        for d, n_max, _, _ in asks:
-            d.fit(len(d.session.history) + n_max)
-            behind.append(d.session.history[d.memory.next_index():])
-        catchup = [len(todo) for todo in behind]
-        if sum(map(len, behind)) > asks[0][0].memory.ctx.n_batch:  # long catch-ups first, one at a time
-            for (d, *_), todo in zip(asks, behind):
-                d.memory.extend(todo[:-1], logits="none")
-            behind = [todo[-1:] for todo in behind]
-        extend_many([(d.memory, todo, "last") for (d, *_), todo in zip(asks, behind)])
-        for d, *_ in asks:
-            d.memory.save_checkpoint()
+        behind = [d._to_decode(n_max) for d, n_max, _, _ in asks]
+        live = [i for i, todo in enumerate(behind) if todo is not None]
+        catchup = [len(todo or ()) for todo in behind]
+        parts = [(asks[i][0].memory, behind[i], "last") for i in live]
+        if sum(len(todo) for _, todo, _ in parts) > asks[0][0].memory.ctx.n_batch:  # long catch-ups first, alone
+            for m, todo, _ in parts:
+                m.extend(todo[:-1], logits="none")
+            parts = [(m, todo[-1:], "last") for m, todo, _ in parts]
+        extend_many(parts)
+        for i in live:
+            asks[i][0].memory.save_checkpoint()
+            asks[i][0].n_batched += 1
         t_loop = clock()
         drafts: list[list] = [[] for _ in asks]
         dists: list[list] = [[] for _ in asks]
-        active = list(range(len(asks)))
+        active = live
         while active:
             more = []
             for i in active:
                 d, n_max, s, samp = asks[i]
-                got = pick(samp.draft_row(d.memory.ctx.logits(1)[0], drafts[i]), s.p_min, samp, n_vocab, clock)
+                got = d._pick(drafts[i], s, samp)
                 if got is not None:
                     drafts[i].append(got[0])
                     if got[1] is not None:
@@ -152,12 +151,34 @@ class ModelDrafter(Drafter):
                     until = d.session.until
                     if len(drafts[i]) < n_max and (until is None or not until(drafts[i])):
                         more.append(i)
-            extend_many([(asks[i][0].memory, drafts[i][-1:], "last") for i in more])
+            extend_many([(asks[i][0].memory, [asks[i][0]._fed(drafts[i][-1])], "last") for i in more])
             active = more
         t_end = clock()
         return [proposal_with_costs(drafts[i], dists[i], catchup[i], t_start,
-                                    t_start if catchup[i] <= CATCHUP_SHORT else None,
-                                    t_loop, t_end) for i in range(len(asks))]
+                                    t_start if catchup[i] <= CATCHUP_SHORT else None, t_loop, t_end)
+                if i in live else Proposal() for i in range(len(asks))]
+
+    # ---- what propose and propose_batch ask of a draft model (crossvocab.py answers them for another vocabulary)
+    def _to_decode(self, n_max: int) -> list[int] | None:
+        """The tokens to decode before drafting up to n_max (the last one's row gives the first draft), the memory
+        rolled back as needed; None: nothing can be drafted now."""
+        self.fit(len(self.session.history) + n_max)
+        return self.session.history[self.memory.next_index():]
+
+    def _pick(self, drafts: list[int], s: GenerationSettings, samp: Sampling) -> tuple[int, SparseDist | None] | None:
+        """The next draft token after `drafts` (and its q under rejection), from the memory's last row; None: stop."""
+        row = samp.draft_row(self.memory.ctx.logits(1)[0], drafts)
+        return pick(row, s.p_min, samp, self.session.engine.target.n_vocab, self.session.engine.clock)
+
+    def _fed(self, tok: int) -> int:
+        """The draft's own token for drafted target token `tok` (the same id here)."""
+        return tok
+
+    def _draft(self, n_max: int, s: GenerationSettings, samp: Sampling) -> tuple[list[int], list[SparseDist]]:
+        """Draft token by token after the catch-up (pick_loop over _pick, feeding _fed)."""
+        return pick_loop(lambda: self.memory.ctx.logits(1)[0], lambda tok, i: self.memory.extend([self._fed(tok)], logits="last"), n_max, s.p_min,
+                         samp, 0, self.session.engine.clock, self.session.until,
+                         choose=lambda drafts: self._pick(drafts, s, samp))
 
     def fit(self, n_tokens: int) -> None:
         """Move the window on, if there is one, so that it can hold the history's first n_tokens tokens: it
