@@ -56,12 +56,20 @@ def _agg(rows: list[dict], key: str):
     return (statistics.median(vals), min(vals), max(vals)) if vals else (None, None, None)
 
 
+def _translation(draft: dict) -> str:
+    """The translation a draft of another vocabulary ran: the one --vocab-map forced, or auto's steps of each."""
+    steps = draft.get("vocab_map_steps")
+    if not steps:
+        return draft["vocab_map"]
+    return "auto (" + ", ".join(f"{t} on {n} steps" for t, n in steps.items()) + ")"
+
+
 def render_table(doc: dict) -> Table:
     """A pure function from the bench document to a Rich table: one row per prompt and mode, medians over
     repeats with the min–max range (short headers so it reads at 80 columns)."""
     multi = bool(doc.get("sweep"))
     draft = doc.get("draft") or {}
-    caption = (f"draft of another vocabulary: translated by {draft['vocab_map']}, "
+    caption = (f"draft of another vocabulary: translated by {_translation(draft)}, "
                f"{draft['vocab_overlap']:.0%} of its mass on shared tokens") if draft.get("vocab_map") else None
     t = Table(title="specq bench" + (" (recommended point)" if multi else ""), title_justify="left",
               caption=caption, caption_justify="left")

@@ -62,7 +62,7 @@ class FakeEngine:
     threads = 2
     draft_window = None
     window_auto = False
-    vocabulary, vocab_translation, vocab_overlap = "same", None, None
+    vocabulary, vocab_translation, vocab_overlap, vocab_chooser = "same", None, None, None
 
     def __init__(self, config, clock=None):
         self.draft = config.draft

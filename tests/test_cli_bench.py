@@ -117,6 +117,9 @@ def test_a_draft_of_another_vocabulary_runs_translated_with_no_flag(tiny_target,
     assert 0.9 < doc["draft"]["vocab_overlap"] < 1.0
     base, spec = doc["runs"]
     assert spec["tokens"] == base["tokens"] and spec["n_drafted"] > 0
+    # under auto, the steps each translation drafted (the trial's first block is TLI's)
+    ran = doc["draft"]["vocab_map_steps"]
+    assert ran["tli"] == spec["n_vocab_tli_steps"] > 0 and ran["string"] == spec["n_vocab_string_steps"]
     table = bench("--target", tiny_target, "--draft", tiny_incompatible, "--prompt", "def fibonacci(n):",
                   "--n-predict", 8, "--ctx", 128, "--draft-max", 4, "--vocab-map", "string")
     assert table.exit_code == 0, table.output

@@ -19,10 +19,12 @@ from specq.native.core.accept import rejection_emit
 from specq.native.core.constraint import compile_constraint
 from specq.native.core.sampling import SparseDist, sample
 from specq.native.core.settings import GenerationSettings
+from specq.native.drafters import crossvocab
 from specq.native.drafters.crossvocab import CrossVocabDrafter, DraftText, string_proposal
 from specq.native.llama import ffi as _ffi
 from specq.native.runtime.batch import Batch
-from specq.native.runtime.engine import Engine
+from specq.native.control.translation import BLOCK, EXPLORE, WINDOW, TranslationScores
+from specq.native.runtime.engine import Engine, SimulatedClock
 from stats import chi2_pvalue
 from test_constrained import ABC, OBJECT, abc_law
 from test_exactness import target_law
@@ -280,8 +282,66 @@ def test_serve_answers_through_a_translated_draft_and_reports_it(control, tmp_pa
     for prompt, r in got.items():
         spec = r.usage.model_extra["speculative"]
         assert r.choices[0].text == want[prompt]
-        assert spec["vocab_map"] == "tli" and spec["n_drafted"] > 0 and 0.25 < spec["vocab_overlap"] < 1
-    assert 0.25 < metrics['specq:draft_vocab_overlap{vocab_map="tli"}'] < 1
+        assert spec["vocab_map"] in MAPS and spec["n_drafted"] > 0 and 0.25 < spec["vocab_overlap"] < 1
+    assert 0.25 < metrics['specq:draft_vocab_overlap{vocab_map="auto"}'] < 1
+    # --vocab-map auto's trial ran both translations, over both requests' steps
+    assert metrics['specq:draft_vocab_steps{vocab_map="tli"}'] > 0
+    assert metrics['specq:draft_vocab_steps{vocab_map="string"}'] > 0
+
+
+# ---- --vocab-map auto: the translation chosen by measurement --------------------------------------------------
+def test_auto_tries_both_translations_then_drafts_with_the_faster_and_turns_when_it_changes():
+    sc = TranslationScores()
+    seen = []
+
+    def steps(n, tokens, seconds):  # a step of translation t emits tokens[t] in seconds[t]
+        for _ in range(n):
+            t = sc.current
+            seen.append(t)
+            sc.record(t, tokens[t], seconds[t])
+
+    steps(200, {"tli": 3, "string": 2}, {"tli": 1.0, "string": 1.0})
+    assert seen[:4 * BLOCK] == (["tli"] * BLOCK + ["string"] * BLOCK) * 2  # the trial: TRIAL steps each
+    later = seen[4 * BLOCK:]
+    assert 0 < later.count("string") <= len(later) / EXPLORE * BLOCK + BLOCK  # explored, a block in every EXPLORE
+    assert sc.best == "tli" and sc.rate("tli") == 3.0
+    steps(200, {"tli": 3, "string": 2}, {"tli": 2.0, "string": 1.0})  # TLI's steps now cost twice as much
+    turned = seen[-200 + WINDOW:]  # within a window of TLI's slower steps
+    assert sc.best == "string" and turned.count("string") >= len(turned) - (len(turned) // EXPLORE + 1) * BLOCK
+
+
+@pytest.mark.parametrize("shared_min", [None, 0.999])
+def test_auto_drafts_with_the_faster_translation_of_the_pair(control, monkeypatch, shared_min):
+    # a simulated clock (costs per decode, not this machine's load): each translation forced, then auto over the
+    # same prompts; auto tried both, took the faster for most steps, and every answer is the target's own. On the
+    # control pair TLI is the faster; a TLI that stops below 99.9% shared mass (drafting seldom) makes the string
+    # path the faster
+    if shared_min is not None:
+        monkeypatch.setattr(crossvocab, "SHARED_MIN", shared_min)
+    target, draft = control
+    s = GenerationSettings(n_predict=48, draft_max=4)
+
+    def run(vocab_map, rounds):
+        clock = SimulatedClock(lambda name, n, pos: 1.0 + 0.02 * n if name == "target" else 0.1)
+        out, steps = [], {"tli": 0, "string": 0}
+        with Engine(target, draft, ctx=256, threads=1, vocab_map=vocab_map, clock=clock) as e:
+            for _ in range(rounds):
+                for prompt in PROMPTS:
+                    g = e.session().generate(e.tokenize(prompt), s).run()
+                    out.append(g.tokens)
+                    steps["tli"] += g.stats.n_vocab_tli_steps
+                    steps["string"] += g.stats.n_vocab_string_steps
+            chosen = e.vocab_chooser and (e.vocab_chooser.greedy.best, e.vocab_translation)
+            return sum(map(len, out)) / clock.now, out, steps, chosen
+
+    rates = {m: run(m, 1)[0] for m in MAPS}
+    faster = max(rates, key=rates.get)
+    assert rates[faster] > 1.2 * min(rates.values())  # a clear winner to find
+    _, out, steps, chosen = run("auto", 3)
+    with Engine(target, ctx=256, threads=1) as alone:
+        ref = [alone.session().generate(alone.tokenize(p), s, speculative=False).run().tokens for p in PROMPTS]
+    assert out == ref * 3
+    assert chosen == (faster, faster) and steps[faster] > 4 * steps[next(m for m in MAPS if m != faster)] > 0
 
 
 # ---- the text between tokenizers -----------------------------------------------------------------------------

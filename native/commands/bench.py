@@ -139,6 +139,8 @@ def run_record(mode: str, prompt_index: int, repeat: int, gen: Generation, setti
         # --drafter suffix: proposed and accepted from earlier answers (the store) and from the request's own text
         **{k: getattr(st, k) if spec else None
            for k in ("n_drafted_store", "n_accepted_store", "n_drafted_text", "n_accepted_text")},
+        # a draft of another vocabulary: the steps each translation drafted (--vocab-map auto picks per step)
+        **{k: getattr(st, k) if spec else None for k in ("n_vocab_tli_steps", "n_vocab_string_steps")},
         "steps_by_k": {k: n for k, n in st.steps_by_k} if spec else None,  # cost-model inputs (native/control/report.py)
         "tried_per_pos": list(st.tried_per_pos) if spec else None,
         "verify_ms_by_size": {b: [n, ms] for b, n, ms in st.verify_ms_by_size} if spec else None,
@@ -271,8 +273,11 @@ def model_record(engine: Engine, which: str) -> dict:
 
 def draft_record(engine: Engine) -> dict:
     """The draft's record, with its vocabulary against the target's (core/vocabmap.py): `vocabulary` same, padded
-    or different; for a different one the translation that ran (`vocab_map`) and `vocab_overlap`."""
+    or different; for a different one the translation that ran (`vocab_map`; under --vocab-map auto the one that
+    drafted more steps, and `vocab_map_steps` the steps each drafted) and `vocab_overlap`."""
+    chooser = engine.vocab_chooser
     return {**model_record(engine, "draft"), "vocabulary": engine.vocabulary, "vocab_map": engine.vocab_translation,
+            "vocab_map_steps": None if chooser is None else chooser.steps,
             "vocab_overlap": None if engine.vocab_overlap is None else round(engine.vocab_overlap, 4)}
 
 

@@ -64,6 +64,8 @@ class GenerationStats(Rates):
     vocab_overlap: float | None = None  # and its overlap (core/vocabmap.py)
     n_vocab_unaligned: int = 0  # such a draft's string-path steps with nothing to propose
     n_vocab_full: int = 0  # such a draft's steps with no proposal: its context could not hold the text
+    n_vocab_tli_steps: int = 0  # such a draft's steps drafted by TLI (--vocab-map auto chooses per step)
+    n_vocab_string_steps: int = 0  # and by the string path
     sample_ms: float = 0.0  # rejection mode: time in the sampling transform and acceptance (both models)
     n_plain_steps: int = 0  # draft_max=auto: steps that chose not to draft (probes excluded)
     n_probes: int = 0  # draft_max=auto: short drafts tried while plain decoding was winning

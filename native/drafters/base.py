@@ -30,7 +30,7 @@ A drafter's life in a session, each hook a no-op by default:
   may act on it (the draft model's window trial);
 - `propose` / `propose_batch`: each step (a drafter that drafts token by token stops once `session.until` holds
   for its drafts: --drafter auto hands the step over to an n-gram match there, `lookahead`); `rewind`: after a
-  verify, a rollback or a new prompt; `stepped()`: after each step;
+  verify, a rollback or a new prompt; `stepped(step)`: after each step;
 - `ended(prompt, output, interrupted)`: the generation ended, whoever drafted;
 - `counts()`: its counters for the generation stats; `clear()`: a reset session.
 
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from ..core.prompt import AgreeRows, Span
     from ..runtime.engine import Engine
     from ..runtime.session import Session
+    from ..runtime.step import StepResult
     from ..core.settings import GenerationSettings
 
 CATCHUP_SHORT = 2  # a catch-up of at most this many tokens is part of the first drafted token's cost
@@ -213,8 +214,8 @@ class Drafter:
     def rewind(self) -> None:
         """Hold no more than the committed history (after a verify, a rollback or a new prompt)."""
 
-    def stepped(self) -> None:
-        """A step of the session's generation was taken (whoever drafted it)."""
+    def stepped(self, step: StepResult) -> None:
+        """A step of the session's generation was taken (whoever drafted it): what it did."""
 
     def ended(self, prompt: list[int], output: list[int], interrupted: bool) -> None:
         """The session's generation ended (whoever drafted, speculative or not): its prompt and output tokens."""

@@ -8,6 +8,8 @@ and extended. Two translations (--vocab-map):
 - string: the draft drafts greedily in its own vocabulary; the target's tokenizer reads a short tail of committed
   text and the draft's text, and the target tokens after the tail, less the last word, are the proposal (a point
   mass).
+- auto: each step drafts with the translation the engine's TranslationChooser picks (control/translation.py: a
+  trial of both, then the one whose steps emit more tokens per second); each step's outcome is recorded there.
 Units: proposals are target ids; the controller, cost model and batch planner count target tokens. The prompt's
 agreement rows and the draft-window trial compare draft rows with target ids: both are off for such a pair (the
 controller starts from its priors and learns from the steps), and the draft sees the whole context.
@@ -23,7 +25,7 @@ import numpy as np
 from ..core.accept import top_probability
 from ..core.memory import common_prefix
 from ..core.sampling import Sampling, SparseDist, sample
-from ..core.vocabmap import SHARED_MIN, STRING, Tokenizer, VocabBridge, char_end
+from ..core.vocabmap import SHARED_MIN, STRING, TLI, Tokenizer, VocabBridge, char_end
 from .base import PromptRead, Proposal, Timing
 from .model import ModelDrafter
 from .ngram import point_mass
@@ -31,6 +33,7 @@ from .ngram import point_mass
 if TYPE_CHECKING:
     from ..core.prompt import AgreeRows, Span
     from ..runtime.session import Session
+    from ..runtime.step import StepResult
     from ..core.settings import GenerationSettings
 
 BACKOFF = 4  # draft tokens read again before the committed text's new part (their split may change)
@@ -103,11 +106,14 @@ class CrossVocabDrafter(ModelDrafter):
         super().__init__(session)
         eng = session.engine
         self.bridge: VocabBridge = eng.vocab_bridge
-        self.translation: str = eng.vocab_translation
+        self.translation: str = eng.vocab_map  # tli, string or auto (eng.vocab_chooser picks each step)
+        self.chooser = eng.vocab_chooser
         draft = eng.draft
         self.text = DraftText(self.bridge, draft.bos if draft.add_bos else None)
         self.n_unaligned = 0  # string-path steps with nothing to propose: the tail's tokens changed
         self.n_full = 0  # steps with no proposal: the draft's context could not hold the text
+        self.n_steps = {TLI: 0, STRING: 0}  # steps drafted with each translation
+        self._ran: tuple[str, bool] | None = None  # this step's translation and whether it drafted greedily
 
     # ---- the draft's memory of the committed text -------------------------------------------------------
     def _catch_up(self, history: list[int], logits: str, room: int = 0) -> int | None:
@@ -163,13 +169,36 @@ class CrossVocabDrafter(ModelDrafter):
         return self._catch_up(self.session.history[:pos], logits="none") or 0
 
     def counts(self) -> dict[str, int]:
-        return {"n_vocab_unaligned": self.n_unaligned, "n_vocab_full": self.n_full}
+        return {"n_vocab_unaligned": self.n_unaligned, "n_vocab_full": self.n_full,
+                "n_vocab_tli_steps": self.n_steps[TLI], "n_vocab_string_steps": self.n_steps[STRING]}
+
+    # ---- which translation drafts (--vocab-map; auto: control/translation.py) ----------------------------
+    def _translation(self, samp: Sampling) -> str:
+        """The translation to draft with now, noted for stepped()."""
+        greedy = samp.draft_tf is None
+        t = self.translation if self.chooser is None else self.chooser.scores(greedy).current
+        self._ran = (t, greedy)
+        return t
+
+    def stepped(self, step: StepResult) -> None:
+        """Count the step's translation; under auto, tell the chooser what it emitted and cost."""
+        super().stepped(step)
+        if self._ran is not None:
+            t, greedy = self._ran
+            self.n_steps[t] += 1
+            if self.chooser is not None:
+                self.chooser.scores(greedy).record(t, len(step.emitted), step.draft_s + step.verify_s)
+        self._ran = None
+
+    def attach(self, on: bool) -> None:
+        super().attach(on)
+        self._ran = None  # (a generation that ended between a proposal and its step)
 
     # ---- proposals: ModelDrafter.propose and propose_batch, through these --------------------------------
     @classmethod
     def propose_batch(cls, asks: list[tuple[CrossVocabDrafter, int, GenerationSettings, Sampling]]) -> list[Proposal]:
         """TLI drafts a batch's sequences together (ModelDrafter.propose_batch); the string path one at a time."""
-        if any(d.translation == STRING for d, *_ in asks):
+        if any(d._translation(samp) == STRING for d, _, _, samp in asks):
             return [d.propose(n, s, samp) for d, n, s, samp in asks]
         return super().propose_batch(asks)
 
@@ -177,13 +206,18 @@ class CrossVocabDrafter(ModelDrafter):
         """The draft's tokens for the history's text not yet decoded (_behind); None where they and a draft would
         not fit its context, or the history ends inside a character (the draft has no row for it)."""
         todo = self._behind(self.session.history, True, n_max + 2)
-        return todo if todo is not None and self.text.complete else None
+        if todo is None or not self.text.complete:
+            self._ran = None  # no draft this step, whichever translation: nothing for auto to score
+            return None
+        return todo
 
     def _fed(self, tok: int) -> int:
         return self.bridge.t2d[tok]
 
     def _draft(self, n_max: int, s: GenerationSettings, samp: Sampling) -> tuple[list[int], list[SparseDist]]:
-        return self._string(n_max, s, samp) if self.translation == STRING else super()._draft(n_max, s, samp)
+        if self._translation(samp) == STRING:
+            return self._string(n_max, s, samp)
+        return super()._draft(n_max, s, samp)
 
     def _row(self) -> np.ndarray:
         return self.memory.ctx.logits(1)[0]

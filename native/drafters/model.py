@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ..core.prompt import AgreeRows, Span
     from ..runtime.engine import Engine
     from ..runtime.session import Session
+    from ..runtime.step import StepResult
     from ..core.settings import GenerationSettings
 
 READ_TIMED_MIN = 16  # a read of the prompt this long or longer prices its catch-up (PromptRead.longest)
@@ -221,7 +222,7 @@ class ModelDrafter(Drafter):
     def prompt_compared(self, ctrl: LengthController, overhead) -> Agreement | None:
         return self.trial.try_window(ctrl, overhead)
 
-    def stepped(self) -> None:
+    def stepped(self, step: StepResult) -> None:
         self.trial.settle_when_due(finished=False)
 
     def ended(self, prompt: list[int], output: list[int], interrupted: bool) -> None:

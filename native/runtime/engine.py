@@ -17,6 +17,7 @@ import numpy as np
 from ...errors import IncompatibleDraftError, UsageError
 from ...machine import physical_cores
 from ..core import vocabmap
+from ..control.translation import TranslationChooser
 from ..core.settings import DRAFT_MAX_CAP, MIN_DRAFT_WINDOW
 from ..drafters import registry
 from ..drafters.mtp import no_head_error
@@ -65,6 +66,7 @@ class Engine:
     vocab_bridge: vocabmap.VocabBridge | None = None  # a draft of another vocabulary: what the two share
     vocab_map: str | None = None  # --vocab-map for such a draft
     vocab_overlap: float | None = None  # its overlap (vocabmap's glossary)
+    vocab_chooser: TranslationChooser | None = None  # --vocab-map auto: picks each step's translation
 
     def __init__(self, target: str | os.PathLike | EngineConfig, draft: str | os.PathLike | None = None, *,
                  clock: Callable[[], float] | None = None, **options):
@@ -161,17 +163,18 @@ class Engine:
         if self.vocabulary == vocabmap.DIFFERENT:
             self.vocab_bridge = vocabmap.VocabBridge(vocabmap.Tokenizer(self.target), vocabmap.Tokenizer(self.draft))
             self.vocab_map = vocab_map
+            if vocab_map == vocabmap.AUTO:
+                self.vocab_chooser = TranslationChooser()
             if self.draft_n_ctx == self.config.ctx:  # the draft may need more tokens for the same text
                 self.draft_n_ctx = int(self.config.ctx * vocabmap.DRAFT_CTX_FACTOR)
 
     @property
     def vocab_translation(self) -> str | None:
-        """The translation a draft of another vocabulary runs (None: a draft of the target's vocabulary). auto
-        takes TLI: on real pairs both ways (Gemma 3 and SmolLM2, docs/benchmarks.md) it drafted more for less and
-        was faster, and at T > 0 its drafts are sampled with their law where the string path's are point masses."""
+        """The translation a draft of another vocabulary runs (None: a draft of the target's vocabulary); under
+        auto, the one that has drafted more steps so far (TLI before any: control/translation.py)."""
         if self.vocab_bridge is None:
             return None
-        return vocabmap.TLI if self.vocab_map == vocabmap.AUTO else self.vocab_map
+        return self.vocab_map if self.vocab_chooser is None else self.vocab_chooser.leading
 
     def _check_translated_draft(self) -> None:
         """A draft of another vocabulary: refuse a window (--ctx-draft) and too little overlap, closing the engine."""

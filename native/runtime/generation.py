@@ -98,6 +98,7 @@ def make_stats(g: Generation, stop: str, gen_s: float) -> GenerationStats:
         vocab_map=g.session.engine.vocab_translation if g.speculative else None,
         vocab_overlap=g.session.engine.vocab_overlap if g.speculative else None,
         n_vocab_unaligned=grew.get("n_vocab_unaligned", 0), n_vocab_full=grew.get("n_vocab_full", 0),
+        n_vocab_tli_steps=grew.get("n_vocab_tli_steps", 0), n_vocab_string_steps=grew.get("n_vocab_string_steps", 0),
         n_plain_steps=ctrl.n_plain_steps - p.plain_steps_at_start if ctrl else 0,
         n_probes=ctrl.n_probes - p.probes_at_start if ctrl else 0, n_handovers=p.n_handovers,
         steps_by_k=tuple(sorted(p.steps_by_k.items())), tried_per_pos=tuple(p.tried),
@@ -349,7 +350,7 @@ class Generation:
                                      draft_s=step.draft_s, first_token_s=step.first_token_s, catchup=step.catchup,
                                      drafter=step.drafter, acceptance=step.acceptance, shared=step.shared))
         for d in self.session.drafters.values():
-            d.stepped()
+            d.stepped(step)
 
     def _emit(self, step: StepResult, utf8, remaining: int | None) -> tuple[list[TokenEvent], str | None]:
         """Commit the step's tokens to the history, up to an end of generation or n_predict."""

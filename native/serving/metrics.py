@@ -75,7 +75,10 @@ class ServerMetrics:
                                        "source.", ["source"], registry=r)
         self.vocab_overlap = Gauge("specq:draft_vocab_overlap", "A draft of another vocabulary: the share of its "
                                    "probability mass on tokens both vocabularies share (a calibration text), by the "
-                                   "translation it runs (--vocab-map).", ["vocab_map"], registry=r)
+                                   "translation it runs (--vocab-map: tli, string or auto).", ["vocab_map"],
+                                   registry=r)
+        self.vocab_steps = Gauge("specq:draft_vocab_steps", "--vocab-map auto: the steps each translation (tli, "
+                                 "string) has drafted, all requests.", ["vocab_map"], registry=r)
         self._gen_tokens = 0
         self._gen_seconds = 0.0
 
@@ -91,7 +94,10 @@ class ServerMetrics:
                 self.decodes.labels(model=name).set(ctx.n_decode_calls)
                 self.decode_seconds.labels(model=name).set(ctx.decode_s)
         if engine.vocab_overlap is not None:
-            self.vocab_overlap.labels(vocab_map=engine.vocab_translation).set(engine.vocab_overlap)
+            self.vocab_overlap.labels(vocab_map=engine.vocab_map).set(engine.vocab_overlap)
+        if engine.vocab_chooser is not None:
+            for t, n in engine.vocab_chooser.steps.items():
+                self.vocab_steps.labels(vocab_map=t).set(n)
 
     def batch(self, planner) -> None:
         """The parallel batch's planner counters (control/batch_plan.BatchPlanner)."""
