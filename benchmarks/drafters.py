@@ -2,7 +2,7 @@
 
     python benchmarks/drafters.py [--sets general,copy,copy_edit] [--modes ngram,auto] [--n-predict 256] [--repeat 3] [--threads 2]
         [--draft-max auto] [--limit-prompts N] [--target T.gguf --draft D.gguf | --no-draft | --draft-layers N]
-        [--temp T] [--raw] [--vocab-map tli|string|auto] [--out results.json]
+        [--temp T] [--raw] [--vocab-map tli|string|auto] [--drop-shared F] [--out results.json]
 
 Default pair: the demo pair (SmolLM2-135M-Instruct F32 target, its Q4_1 draft). `--draft-layers N`: the draft is
 the target's own first N blocks (embeddings and output kept; adaptive.first_layers): a useless draft of the same
@@ -12,6 +12,8 @@ vocabulary, which auto must leave alone. Prompt sets:
   copy_edit: benchmarks/prompts/copy_edit.jsonl, whole functions of 10-40 lines returned with one small change
   adaptive12: benchmarks/prompts/adaptive12.jsonl, twelve everyday requests (SQL, bash, an email, ...) with nothing to copy
 `--draft-layers N --cut-draft`: the draft given (or the demo's Q4_1) keeps only its first N blocks instead.
+`--drop-shared F`: a draft of another vocabulary shares a random fraction F of its shared tokens no more (seeded;
+each token with the same chance, so about F of the shared mass goes): the overlap lowered on a real pair.
 Each prompt runs as one chat turn (--raw: as raw text, for a base model). Within a repeat, every prompt runs every mode, target alone included, in an
 order that rotates with the repeat (alternating runs); each mode keeps one session for the whole benchmark, so
 the adaptive controller (draft-max auto, drafter auto) keeps what it learned across prompts, as in chat. A mode's
@@ -139,6 +141,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--raw", action="store_true", help="prompts as raw text, not chat turns (a base model)")
     ap.add_argument("--vocab-map", default="auto", help="a draft of another vocabulary: tli, string or auto")
+    ap.add_argument("--drop-shared", type=float, default=0.0, help="a draft of another vocabulary: share a "
+                    "random fraction of its shared tokens no more (a lower overlap)")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.target:
@@ -163,6 +167,12 @@ def main() -> None:
     with Engine(target, draft, ctx=a.ctx, threads=a.threads, ngl=ngl, ngl_draft=ngl_draft, mtp=None,
                 vocab_map=a.vocab_map) as eng:
         doc["target_has_mtp"] = eng.mtp_ctx is not None
+        if a.drop_shared:
+            shared = eng.vocab_bridge.shared_d
+            rng = __import__("numpy").random.default_rng(a.seed)
+            eng.vocab_bridge.drop(rng.choice(shared, size=int(a.drop_shared * len(shared)), replace=False))
+            eng.vocab_overlap = eng.measure_overlap()
+            doc["drop_shared"] = a.drop_shared
         doc |= {"vocabulary": eng.vocabulary, "vocab_map": eng.vocab_translation, "vocab_overlap": eng.vocab_overlap}
         modes = modes_for(draft is not None, eng.mtp_ctx is not None)
         if a.modes:

@@ -4,7 +4,7 @@ Runs in a scratch venv outside the suite (the tests never import it; it does not
 
     python3.11 -m venv /tmp/hfvenv
     /tmp/hfvenv/bin/pip install /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl  # a CPU torch
-    /tmp/hfvenv/bin/pip install transformers==5.25.0 gguf sentencepiece tokenizers protobuf numpy accelerate
+    /tmp/hfvenv/bin/pip install transformers==5.20.2 gguf sentencepiece tokenizers protobuf numpy accelerate
     /tmp/hfvenv/bin/python benchmarks/hf_assisted.py --target T.gguf --assistant D.gguf [--temp 0.7] \\
         --n-predict 96 [--reference benchmarks/results/crossvocab-...json] --out benchmarks/results/hf-assisted-X.json
 
@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import gguf
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -45,6 +46,9 @@ def read_prompts(path: Path) -> tuple[list[str], list[str]]:
 
 def load(path: Path):
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # transformers 5.20 leaves tokenizer.ggml.add_bos_token out (Gemma's is true); llama.cpp honours it
+    field = gguf.GGUFReader(str(path)).fields.get("tokenizer.ggml.add_bos_token")
+    tok.add_bos_token = bool(field.contents()) if field is not None else False
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return tok, model.eval()
 
@@ -109,10 +113,10 @@ def assistant_schedule(assistant, fixed: int | None) -> dict:
     if fixed is not None:
         cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule = fixed, "constant"
         cfg.assistant_confidence_threshold = 0.0
-    defaults = transformers.GenerationConfig()._get_default_generation_params()
+    defaults = cfg._get_default_generation_params()  # what the candidate generator fills in for unset fields
     keys = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
             "assistant_lookbehind", "target_lookbehind")
-    return {k: getattr(cfg, k) if getattr(cfg, k) is not None else defaults.get(k) for k in keys}
+    return {k: defaults.get(k) if getattr(cfg, k) is None else getattr(cfg, k) for k in keys}
 
 
 def totals(rows: list[dict]) -> dict:

@@ -533,11 +533,22 @@ def test_the_drafts_memory_holds_the_committed_text_after_each_step(control, mon
     assert len(seen) > 10 and all(seen)
 
 
-def test_a_draft_sharing_too_little_is_one_clear_error(control, monkeypatch):
+def test_a_draft_sharing_too_little_is_one_clear_line_and_auto_drafts_through_text(control, monkeypatch, caplog):
+    # below the floor TLI cannot help: forced, it is refused; under auto the string path drafts alone, exactly
     target, draft = control
     monkeypatch.setattr(vocabmap, "OVERLAP_MIN", 0.99)
-    with pytest.raises(IncompatibleDraftError, match=r"only \d+% of its probability mass falls on the \d+ tokens"):
-        Engine(target, draft, ctx=128, threads=1)
+    share = r"only \d+% of its probability mass falls on the \d+ tokens they share \(TLI needs 99% to help\)"
+    with pytest.raises(IncompatibleDraftError, match=share + "; --vocab-map string drafts through text instead"):
+        Engine(target, draft, ctx=128, threads=1, vocab_map="tli")
+    s = GenerationSettings(n_predict=24, draft_max=4)
+    with caplog.at_level("WARNING", logger="specq.engine"), Engine(target, draft, ctx=128, threads=1) as e:
+        g = e.session().generate(e.tokenize(PROMPTS[0]), s).run()
+        assert e.vocab_translation == "string" and e.vocab_chooser is None
+    assert [r.getMessage().count("\n") for r in caplog.records] == [0]
+    assert caplog.records[0].getMessage().endswith("the string path drafts alone")
+    assert g.stats.n_vocab_string_steps > 0 and g.stats.n_vocab_tli_steps == 0 and g.stats.n_drafted > 0
+    with Engine(target, ctx=128, threads=1) as alone:
+        assert g.tokens == alone.session().generate(alone.tokenize(PROMPTS[0]), s, speculative=False).run().tokens
 
 
 def test_char_end_keeps_whole_characters():

@@ -7,6 +7,7 @@ Baseline decoding is the same loop with no draft, so comparisons are like for li
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from ..drafters.mtp import no_head_error
 from ..llama import ffi as _ffi
 from .config import EngineConfig, choose_flash_attn, kv_streams, on_cpu
 from .session import Session
+
+log = logging.getLogger("specq.engine")
 
 
 class SimulatedClock:
@@ -187,8 +190,25 @@ class Engine:
             raise
 
     def _check_overlap(self) -> None:
-        """Measure the overlap (vocabmap's glossary) on the calibration text; refuse a draft with too little."""
-        c, bridge = self.dft_ctx, self.vocab_bridge
+        """Measure the overlap (vocabmap's glossary) on the calibration text. Below OVERLAP_MIN TLI cannot help: a
+        forced --vocab-map tli is refused, and auto drafts through the string path alone (its proposals do not go
+        through shared tokens), saying so in one line."""
+        self.vocab_overlap = self.measure_overlap()
+        if self.vocab_overlap >= vocabmap.OVERLAP_MIN or self.vocab_map == vocabmap.STRING:
+            return
+        share = (f"the draft's vocabulary differs from the target's and only {self.vocab_overlap:.0%} of its "
+                 f"probability mass falls on the {self.vocab_bridge.n_shared} tokens they share")
+        if self.vocab_map == vocabmap.TLI:
+            raise IncompatibleDraftError(
+                f"{share} (TLI needs {vocabmap.OVERLAP_MIN:.0%} to help); --vocab-map string drafts through text "
+                f"instead, or use a draft whose tokenizer is closer to the target's (target {self.target.path}, "
+                f"draft {self.draft.path})")
+        log.warning("%s (TLI needs %.0f%% to help): the string path drafts alone", share, 100 * vocabmap.OVERLAP_MIN)
+        self.vocab_map, self.vocab_chooser = vocabmap.STRING, None
+
+    def measure_overlap(self) -> float:
+        """A draft of another vocabulary's overlap (vocabmap's glossary) on the calibration text."""
+        c = self.dft_ctx
         toks = self.draft.tokenize(vocabmap.CALIBRATION, add_special=True, parse_special=False)[:c.n_ctx - 1]
         rows = []
         step = max(1, min(c.n_outputs_max, c.n_batch))
@@ -196,13 +216,7 @@ class Engine:
             c.decode(toks[i:i + step], i, logits="all")
             rows.extend(c.logits(len(toks[i:i + step])))
         c.clear()
-        self.vocab_overlap = bridge.overlap(np.asarray(rows))
-        if self.vocab_overlap < vocabmap.OVERLAP_MIN:
-            raise IncompatibleDraftError(
-                f"the draft's vocabulary differs from the target's and only {self.vocab_overlap:.0%} of its "
-                f"probability mass falls on the {bridge.n_shared} tokens they share (at least "
-                f"{vocabmap.OVERLAP_MIN:.0%} is needed to help); use a draft whose tokenizer is closer to the "
-                f"target's (target {self.target.path}, draft {self.draft.path})")
+        return self.vocab_bridge.overlap(np.asarray(rows))
 
     @property
     def dft_ctx(self) -> _ffi.Context | None:
