@@ -3,7 +3,7 @@
 Runs in a scratch venv outside the suite (the tests never import it; it does not import specq):
 
     python3.11 -m venv /tmp/hfvenv
-    /tmp/hfvenv/bin/pip install /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl  # a CPU torch
+    /tmp/hfvenv/bin/pip install torch-2.13.0+cpu-*.whl  # a CPU-only torch wheel (the default one pulls CUDA)
     /tmp/hfvenv/bin/pip install transformers==5.20.2 gguf sentencepiece tokenizers protobuf numpy accelerate
     /tmp/hfvenv/bin/python benchmarks/hf_assisted.py --target T.gguf --assistant D.gguf [--temp 0.7] \\
         --n-predict 96 [--reference benchmarks/results/crossvocab-...json] --out benchmarks/results/hf-assisted-X.json
@@ -120,6 +120,8 @@ def assistant_schedule(assistant, fixed: int | None) -> dict:
 
 
 def totals(rows: list[dict]) -> dict:
+    failed = [r["prompt_name"] for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
     a = [r["assisted"] for r in rows]
     s = {k: sum(x[k] for x in a) for k in ("drafted", "accepted", "steps", "n_new", "target_forwards",
                                             "assistant_forwards", "wall_s")}
@@ -128,6 +130,7 @@ def totals(rows: list[dict]) -> dict:
     s["alone_target_forwards"] = sum(r["alone"]["target_forwards"] for r in rows)
     s["alone_wall_s"] = round(sum(r["alone"]["wall_s"] for r in rows), 3)
     s["identical_to_alone"] = sum(bool(r["identical_to_alone"]) for r in rows)
+    s["prompts_counted"], s["prompts_failed"] = len(rows), failed
     return s
 
 
@@ -161,8 +164,13 @@ def main() -> None:
     for name, prompt in zip(names, prompts):
         ids = ttok(prompt, return_tensors="pt").input_ids
         alone = run(target, ids, a.n_predict, a.temp, a.seed, counter)
-        assisted = run(target, ids, a.n_predict, a.temp, a.seed, counter, assistant_model=assistant,
-                       tokenizer=ttok, assistant_tokenizer=atok)
+        try:
+            assisted = run(target, ids, a.n_predict, a.temp, a.seed, counter, assistant_model=assistant,
+                           tokenizer=ttok, assistant_tokenizer=atok)
+        except RuntimeError as e:  # kept in the JSON, left out of the totals
+            rows.append({"prompt_name": name, "n_prompt": ids.shape[1], "alone": alone, "error": repr(e)})
+            print(f"{name:10s} assisted generation failed: {e!r}", file=sys.stderr, flush=True)
+            continue
         row = {"prompt_name": name, "n_prompt": ids.shape[1], "alone": alone, "assisted": assisted,
                "identical_to_alone": alone["tokens"] == assisted["tokens"],
                "text_alone": ttok.decode(alone["tokens"]), "text_assisted": ttok.decode(assisted["tokens"])}
