@@ -5,51 +5,73 @@ emitted (the drafts accepted and the target's own) per second of drafting and ve
 and cost together: the string path's drafts are surer but each costs more draft tokens (it drafts in the draft's
 own units and holds back the text's last word), TLI's are cheaper but meet the target's longer tokens less often.
 
-The choice is engine-wide (every sequence's steps count, and every request's): a trial first runs the two in
-alternating blocks until each has TRIAL steps, then the faster drafts, and the other gets a block of BLOCK steps
-in every EXPLORE so that a change of text (prose, then code) can turn the choice. Greedy and sampled drafting
-keep apart scores: at T > 0 TLI's drafts are sampled with their law and the string path's are point masses.
+The text moves the rate more than the translation does (a Chinese answer runs at half a code answer's pace), so
+the two are compared in adjacent blocks of BLOCK steps, never across texts: each block's rate against the other
+translation's block just before it, and the median ratio of the latest PAIRS such pairs decides (a pair that
+straddles a change of text is an outlier). A trial first
+runs the two in alternating blocks until each has TRIAL steps; then the faster drafts, and the other gets a block
+in every EXPLORE steps so that a change of text (prose, then code) can turn the choice. The choice is engine-wide
+(every sequence's steps count, and every request's). Greedy and sampled drafting keep apart scores: at T > 0
+TLI's drafts are sampled with their law and the string path's are point masses.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
 
 from ..core.vocabmap import STRING, TLI
 
 TRANSLATIONS = (TLI, STRING)
 TRIAL = 8  # steps of each translation before the first choice
-BLOCK = 4  # steps a translation runs in a row while tried (the trial's blocks, the loser's explorations)
-EXPLORE = 64  # the translation not chosen runs one BLOCK in every EXPLORE steps
-WINDOW = 64  # the steps of each translation its score is measured over (the latest)
+BLOCK = 4  # steps a translation runs in a row while tried; rates are compared block against adjacent block
+EXPLORE = 32  # the translation not chosen runs one BLOCK in every EXPLORE steps
+PAIRS = 5  # the latest adjacent-block comparisons the choice is made on (their median)
 
 
 class TranslationScores:
-    """The recent steps of each translation: tokens emitted and seconds, and the choice they make."""
+    """Adjacent blocks of the two translations compared, and the choice they make."""
 
     def __init__(self) -> None:
-        self.steps = {t: deque(maxlen=WINDOW) for t in TRANSLATIONS}
         self.n = 0  # steps recorded, both translations
         self.ran = {t: 0 for t in TRANSLATIONS}  # steps each drafted, all time
+        self.block: list = [None, 0, 0.0, 0]  # the open block: translation, tokens, seconds, steps
+        self.last: tuple[str, float] | None = None  # the last closed block: translation, its rate
+        self.pairs: deque[float] = deque(maxlen=PAIRS)  # log(string's rate / TLI's) in adjacent blocks
 
     def record(self, translation: str, n_emitted: int, seconds: float) -> None:
         """A step drafted by `translation` emitted n_emitted tokens (accepted drafts and the target's own) and took
         `seconds` to draft and verify."""
-        self.steps[translation].append((n_emitted, seconds))
+        if self.block[0] not in (None, translation):
+            self._close()
+        b = self.block
+        b[0], b[1], b[2], b[3] = translation, b[1] + n_emitted, b[2] + seconds, b[3] + 1
+        if b[3] >= BLOCK:
+            self._close()
         self.ran[translation] += 1
         self.n += 1
 
-    def rate(self, translation: str) -> float | None:
-        """Tokens per second over its recent steps (None: none measured)."""
-        steps = self.steps[translation]
-        secs = sum(s for _, s in steps)
-        return sum(n for n, _ in steps) / secs if steps and secs > 0 else None
+    def _close(self) -> None:
+        t, tokens, seconds, _ = self.block
+        self.block = [None, 0, 0.0, 0]
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate = tokens / seconds
+        if self.last is not None and self.last[0] != t:
+            ratio = math.log(rate / self.last[1])
+            self.pairs.append(ratio if t == STRING else -ratio)
+        self.last = (t, rate)
+
+    def ratio(self) -> float | None:
+        """The string path's rate over TLI's in adjacent blocks, the median of the latest pairs (None: none)."""
+        return math.exp(statistics.median(self.pairs)) if self.pairs else None
 
     @property
     def best(self) -> str:
-        """The faster translation as measured (TLI until both are)."""
-        r_tli, r_str = self.rate(TLI), self.rate(STRING)
-        return STRING if r_tli is not None and r_str is not None and r_str > r_tli else TLI
+        """The faster translation as measured (TLI until compared)."""
+        r = self.ratio()
+        return STRING if r is not None and r > 1 else TLI
 
     @property
     def current(self) -> str:
