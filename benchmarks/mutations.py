@@ -183,7 +183,7 @@ MUTANTS = [
              "self.memory.truncate(common_prefix(self.memory.tokens, self.text.sync(self.session.history)))",
              "self.text.sync(self.session.history)"),)),
     Mutant("vocab-auto-ignores-cost", "--vocab-map auto scores a translation by tokens a step, not tokens a second",
-           (("native/control/translation.py", "rate = tokens / seconds", "rate = float(tokens)"),)),
+           (("native/control/translation.py", "rate = b.tokens / b.seconds", "rate = float(b.tokens)"),)),
 ]
 
 

@@ -11,7 +11,7 @@ from specq.native.control.step import StepOutcome
 from specq.native.runtime.engine import Engine, SimulatedClock
 from specq.native.core.sampling import Sampling
 from specq.native.core.settings import GenerationSettings
-from specq.native.drafters.base import pick_loop
+from specq.native.drafters.base import pick, pick_loop
 from test_adaptive import cpu_like_costs
 
 
@@ -347,8 +347,9 @@ def test_the_model_is_told_to_hand_over_only_to_ngrams_that_copy_well():
 def test_the_pick_loop_stops_where_until_holds_for_the_drafts_so_far():
     rows = iter(np.eye(8)[[3, 4, 5, 6, 7, 1]] * 10)
     fed = []
-    drafts, _ = pick_loop(lambda: next(rows), lambda tok, i: fed.append(tok), 6, 0.0, Sampling(GenerationSettings(), True), 8,
-                          lambda: 0.0, until=lambda d: d[-1] == 5)
+    samp = Sampling(GenerationSettings(), True)
+    drafts, _ = pick_loop(lambda d: pick(samp.draft_row(next(rows), d), 0.0, samp, 8, lambda: 0.0),
+                          lambda tok, i: fed.append(tok), 6, until=lambda d: d[-1] == 5)
     assert drafts == [3, 4, 5] and fed == [3, 4]  # stopped after the draft it held for, without feeding it
 
 

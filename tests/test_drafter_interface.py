@@ -19,7 +19,7 @@ from specq.cli.app import app
 from specq.native.core.memory import Memory, common_prefix
 from specq.native.core.settings import GenerationSettings
 from specq.native.drafters import registry
-from specq.native.drafters.base import Drafter, Proposal, pick_loop
+from specq.native.drafters.base import Drafter, Proposal, pick, pick_loop
 from specq.native.drafters.ngram import point_mass
 from specq.native.llama import ffi
 
@@ -54,8 +54,10 @@ class ScratchDrafter(Drafter):
             return Proposal()
         mem.truncate(min(common_prefix(mem.tokens, hist), len(hist) - 1))
         mem.extend(hist[len(mem.tokens):], logits="last")
-        drafts, dists = pick_loop(lambda: mem.ctx.logits(1)[0], lambda tok, i: mem.extend([tok], logits="last"),
-                                  n_max, s.p_min, samp, self.session.engine.target.n_vocab, self.session.engine.clock)
+        eng = self.session.engine
+        drafts, dists = pick_loop(
+            lambda d: pick(samp.draft_row(mem.ctx.logits(1)[0], d), s.p_min, samp, eng.target.n_vocab, eng.clock),
+            lambda tok, i: mem.extend([tok], logits="last"), n_max)
         if len(drafts) >= 3 and samp.draft_tf is None:  # (greedy: a sampled token must be its dist's)
             drafts[-1] = (drafts[-1] + 1) % self.session.engine.target.n_vocab
         ScratchDrafter.n_proposed += len(drafts)

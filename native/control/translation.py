@@ -8,10 +8,9 @@ own units and holds back the text's last word), TLI's are cheaper but meet the t
 The text moves the rate more than the translation does (a Chinese answer runs at half a code answer's pace), so
 the two are compared in adjacent blocks of BLOCK steps, never across texts: each block's rate against the other
 translation's block just before it, and the median ratio of the latest PAIRS such pairs decides (a pair that
-straddles a change of text is an outlier). A trial first
-runs the two in alternating blocks until each has TRIAL steps; then the faster drafts, and the other gets a block
-in every EXPLORE steps so that a change of text (prose, then code) can turn the choice. The choice is engine-wide
-(every sequence's steps count, and every request's). Greedy and sampled drafting keep apart scores: at T > 0
+straddles a change of text is an outlier). A trial first runs the two in alternating blocks until each has TRIAL
+steps; then the faster drafts, and the other gets a block in every EXPLORE steps so that a change of text (prose,
+then code) can turn the choice. The choice is engine-wide (every sequence's steps count, and every request's). Greedy and sampled drafting keep apart scores: at T > 0
 TLI's drafts are sampled with their law and the string path's are point masses.
 """
 
@@ -20,6 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from dataclasses import dataclass
 
 from ..core.vocabmap import STRING, TLI
 
@@ -30,34 +30,44 @@ EXPLORE = 32  # the translation not chosen runs one BLOCK in every EXPLORE steps
 PAIRS = 5  # the latest adjacent-block comparisons the choice is made on (their median)
 
 
+@dataclass
+class Block:
+    """Consecutive steps of one translation: what they emitted and took."""
+
+    translation: str
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+
+
 class TranslationScores:
     """Adjacent blocks of the two translations compared, and the choice they make."""
 
     def __init__(self) -> None:
         self.n = 0  # steps recorded, both translations
         self.ran = {t: 0 for t in TRANSLATIONS}  # steps each drafted, all time
-        self.block: list = [None, 0, 0.0, 0]  # the open block: translation, tokens, seconds, steps
+        self.block: Block | None = None  # the open block
         self.last: tuple[str, float] | None = None  # the last closed block: translation, its rate
         self.pairs: deque[float] = deque(maxlen=PAIRS)  # log(string's rate / TLI's) in adjacent blocks
 
     def record(self, translation: str, n_emitted: int, seconds: float) -> None:
         """A step drafted by `translation` emitted n_emitted tokens (accepted drafts and the target's own) and took
         `seconds` to draft and verify."""
-        if self.block[0] not in (None, translation):
+        if self.block is not None and self.block.translation != translation:
             self._close()
-        b = self.block
-        b[0], b[1], b[2], b[3] = translation, b[1] + n_emitted, b[2] + seconds, b[3] + 1
-        if b[3] >= BLOCK:
+        b = self.block = self.block or Block(translation)
+        b.tokens, b.seconds, b.steps = b.tokens + n_emitted, b.seconds + seconds, b.steps + 1
+        if b.steps >= BLOCK:
             self._close()
         self.ran[translation] += 1
         self.n += 1
 
     def _close(self) -> None:
-        t, tokens, seconds, _ = self.block
-        self.block = [None, 0, 0.0, 0]
-        if seconds <= 0 or tokens <= 0:
+        b, self.block = self.block, None
+        t = b.translation
+        if b.seconds <= 0 or b.tokens <= 0:
             return
-        rate = tokens / seconds
+        rate = b.tokens / b.seconds
         if self.last is not None and self.last[0] != t:
             ratio = math.log(rate / self.last[1])
             self.pairs.append(ratio if t == STRING else -ratio)

@@ -253,21 +253,18 @@ def pick(row: np.ndarray, p_min: float, samp: Sampling, n_vocab_tgt: int,
     return None if stop else (tok, q)
 
 
-def pick_loop(row: Callable[[], np.ndarray], advance: Callable[[int, int], None], n_max: int, p_min: float,
-              samp: Sampling, n_vocab_tgt: int, clock: Callable[[], float],
-              until: Callable[[list[int]], bool] | None = None,
-              choose: Callable[[list[int]], tuple[int, SparseDist | None] | None] | None = None
+def pick_loop(choose: Callable[[list[int]], tuple[int, SparseDist | None] | None],
+              advance: Callable[[int, int], None], n_max: int, until: Callable[[list[int]], bool] | None = None
               ) -> tuple[list[int], list[SparseDist]]:
-    """Draft from a model-like drafter: pick from `row()` (the logits after the last token fed; masked where a
-    constraint applies), then `advance(token, i)` feeds drafted token i (from 1), until pick stops, n_max tokens
-    are drafted or `until(drafts)` holds. `choose(drafts)`: a drafter's own pick instead (a translated draft's).
-    The stops depend only on tokens already drafted, never on one drawn and then dropped, so a sampled draft
-    keeps its law (the verify's q)."""
+    """Draft from a model-like drafter: `choose(drafts)` picks the token after the drafts so far (usually `pick`
+    on the logits after the last token fed, masked by `Sampling.draft_row` where a constraint applies; a
+    translated draft's own), then `advance(token, i)` feeds drafted token i (from 1), until choose stops, n_max
+    tokens are drafted or `until(drafts)` holds. The stops depend only on tokens already drafted, never on one
+    drawn and then dropped, so a sampled draft keeps its law (the verify's q)."""
     drafts: list[int] = []
     dists: list[SparseDist] = []
     while True:
-        got = pick(samp.draft_row(row(), drafts), p_min, samp, n_vocab_tgt, clock) if choose is None else \
-            choose(drafts)
+        got = choose(drafts)
         if got is None:
             break
         drafts.append(got[0])

@@ -177,9 +177,8 @@ class ModelDrafter(Drafter):
 
     def _draft(self, n_max: int, s: GenerationSettings, samp: Sampling) -> tuple[list[int], list[SparseDist]]:
         """Draft token by token after the catch-up (pick_loop over _pick, feeding _fed)."""
-        return pick_loop(lambda: self.memory.ctx.logits(1)[0], lambda tok, i: self.memory.extend([self._fed(tok)], logits="last"), n_max, s.p_min,
-                         samp, 0, self.session.engine.clock, self.session.until,
-                         choose=lambda drafts: self._pick(drafts, s, samp))
+        return pick_loop(lambda drafts: self._pick(drafts, s, samp),
+                         lambda tok, i: self.memory.extend([self._fed(tok)], logits="last"), n_max, self.session.until)
 
     def fit(self, n_tokens: int) -> None:
         """Move the window on, if there is one, so that it can hold the history's first n_tokens tokens: it

@@ -18,7 +18,7 @@ from ...errors import ModelFileError, UsageError
 from ..core.memory import common_prefix
 from ..core.sampling import Sampling
 from ..llama import ffi as _ffi
-from .base import CATCHUP_SHORT, Drafter, Proposal, pick_loop, proposal_with_costs
+from .base import CATCHUP_SHORT, Drafter, Proposal, pick, pick_loop, proposal_with_costs
 
 if TYPE_CHECKING:
     from ..runtime.engine import Engine
@@ -137,8 +137,10 @@ class MtpDrafter(Drafter):
         self.begin()
         t_loop = clock()
         try:
-            drafts, dists = pick_loop(self.ctx.logits, self.advance, n_max, s.p_min, samp,
-                                      ses.engine.target.n_vocab, clock, ses.until)
+            n_vocab = ses.engine.target.n_vocab
+            drafts, dists = pick_loop(
+                lambda d: pick(samp.draft_row(self.ctx.logits(), d), s.p_min, samp, n_vocab, clock),
+                self.advance, n_max, ses.until)
         finally:
             self.end()
         return proposal_with_costs(drafts, dists, catchup, t_catchup, t_first, t_loop, clock())
