@@ -145,7 +145,7 @@ MUTANTS = [
              "        return type(self).provide(self.session.engine)\n"),)),
     Mutant("handover-ignored", "--drafter auto: the draft model drafts on past the point where an n-gram would "
                                "copy (Session.until ignored)",
-           (("native/drafters/model.py", "clock, self.session.until)", "clock, None)"),)),
+           (("native/drafters/model.py", "n_max, self.session.until)", "n_max, None)"),)),
     Mutant("suffix-keeps-interrupted", "--drafter suffix: an interrupted generation's partial output enters the "
                                        "store",
            (("native/drafters/suffix.py", "if self.on and not interrupted and output", "if self.on and output"),)),
