@@ -126,7 +126,8 @@ CpuAmxOpt = Annotated[bool, typer.Option("--cpu-amx", help="Let llama.cpp use it
                                                           "with AMX (off by default: it crashes, llama.cpp#20824).")]
 FlashAttnOpt = Annotated[str, typer.Option("--flash-attn", help="Attention path: on, off or auto (off for a model "
                                                                "on the CPU, where it decodes faster at long "
-                                                               "context; llama.cpp's choice on a GPU).")]
+                                                               "context; with --parallel on the CPU measured on "
+                                                               "this machine once; llama.cpp's choice on a GPU).")]
 DrafterOpt = Annotated[str, typer.Option("--drafter", help="Who proposes tokens: model (the draft model), ngram "
                                                           "(lookup in the text so far, no model), suffix (what "
                                                           "followed in earlier answers or this text), mtp (the "

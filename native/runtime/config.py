@@ -32,8 +32,9 @@ def choose_flash_attn(flag: str, ngl: int, devices: tuple[str, ...] | None, para
     plain kernel attends every row to every sequence's cells and masks the others', where the flash kernel skips
     masked cells: benchmarks/parallel_attention.py measured it faster with it on at 2, 4 and 8 sequences, where
     one sequence is as fast either way (docs/benchmarks.md, "The attention path with several sequences"). With a
-    stream per sequence each row attends its own stream, as one sequence does, and off is faster again
-    (docs/benchmarks.md, "On an Intel Xeon (AVX-512, AMX)")."""
+    stream per sequence each row attends its own stream, as one sequence does, and off was faster again on a Xeon
+    (docs/benchmarks.md, "On an Intel Xeon (AVX-512, AMX)") but slower on an EPYC: there the Engine measures the
+    machine (runtime/attention.py), and this rule's "off" is what a model too cheap to measure keeps."""
     if flag not in FLASH_ATTN_VALUES:
         raise UsageError(f"--flash-attn must be auto, on or off ({flag})")
     if flag != "auto":

@@ -23,6 +23,7 @@ from ..core.settings import DRAFT_MAX_CAP, MIN_DRAFT_WINDOW
 from ..drafters import registry
 from ..drafters.mtp import no_head_error
 from ..llama import ffi as _ffi
+from .attention import AttentionProbe, choose_attention
 from .config import EngineConfig, choose_flash_attn, kv_streams, on_cpu
 from .session import Session
 
@@ -70,6 +71,7 @@ class Engine:
     vocab_map: str | None = None  # --vocab-map for such a draft
     vocab_overlap: float | None = None  # its overlap (vocabmap's glossary)
     vocab_chooser: TranslationChooser | None = None  # --vocab-map auto: picks each step's translation
+    attention_probe: AttentionProbe | None = None  # the CPU's attention path with a stream per sequence, measured
 
     def __init__(self, target: str | os.PathLike | EngineConfig, draft: str | os.PathLike | None = None, *,
                  clock: Callable[[], float] | None = None, **options):
@@ -121,7 +123,7 @@ class Engine:
             t = self.target
             plain_cache = not (t.is_recurrent_or_hybrid or t.n_swa or mtp is not False and t.n_layer_nextn > 0)
             streams = kv_streams(parallel, on_cpu(ngl, devices), plain_cache)
-            flash_attn = self.flash_attn = choose_flash_attn(flash_attn, ngl, devices, parallel, streams)
+            flash_attn = self._attention_path(flash_attn, streams, ctx)
             # A verify batch [last, d1..dn] must be one decode with logits at every row: never split it.
             rows = parallel * (DRAFT_MAX_CAP + 1)  # every sequence's verify in one decode
             self.tgt_ctx = _ffi.Context(self.target, ctx, self.threads, n_batch=max(n_batch, rows),
@@ -238,6 +240,18 @@ class Engine:
     def session(self, seq: int = 0) -> "Session":
         """A conversation on sequence `seq` of both models' memories (one Session per sequence at a time)."""
         return Session(self, seq)
+
+    def _attention_path(self, flag: str, streams: bool, ctx: int) -> str:
+        """The target's attention path (choose_flash_attn); with a KV stream per sequence on the CPU under
+        --flash-attn auto measured on this machine once (runtime/attention.py), since CPUs disagree there about
+        which kernel steps faster."""
+        ngl, devices = self.config.ngl, as_list(self.config.devices)
+        self.flash_attn = choose_flash_attn(flag, ngl, devices, self.parallel, streams)
+        if flag == "auto" and streams and on_cpu(ngl, devices):
+            self.attention_probe = choose_attention(self.target, self.threads, self.parallel, ctx)
+            log.info("%s", self.attention_probe.describe(self.parallel))
+            self.flash_attn = self.attention_probe.choice
+        return self.flash_attn
 
     def close(self) -> None:
         provided = getattr(self, "provided", {})
