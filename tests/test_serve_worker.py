@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import time
 
 import pytest
 
@@ -17,7 +18,8 @@ from specq.native.core.settings import GenerationSettings  # noqa: E402
 from specq.native.serving.api import ApiError, Limits, parse_json, parse_request, settings_for  # noqa: E402
 from specq.native.serving.metrics import ServerMetrics  # noqa: E402
 from specq.native.serving.request import Job, QueueFull, StopMatcher, reused_prefix  # noqa: E402
-from specq.native.serving.scheduler import Scheduler  # noqa: E402
+from specq.native.serving.scheduler import Scheduler, pick_session  # noqa: E402
+from specq.native.core.memory import common_prefix  # noqa: E402
 
 LIMITS = Limits(max_tokens=256, model_id="target", draft=True)
 SETTINGS = GenerationSettings(n_predict=40, draft_max=4)
@@ -108,14 +110,14 @@ class Collector:
 
 
 @contextlib.contextmanager
-def running_worker(target, draft, ctx: int, max_queue: int):
+def running_worker(target, draft, ctx: int, max_queue: int, parallel: int = 1):
     """A Worker whose engine is loaded, driven and freed on one thread of its own, as the server's main thread does
     (llama.cpp's OpenMP thread team belongs to the thread that uses it)."""
     ready, box = threading.Event(), {}
 
     def own() -> None:
         try:
-            eng = Engine(target, draft, ctx=ctx, threads=1)
+            eng = Engine(target, draft, ctx=ctx, threads=1, parallel=parallel)
             box["worker"] = Scheduler(eng, ServerMetrics(), max_queue)
         finally:
             ready.set()
@@ -165,6 +167,51 @@ def test_the_shared_prefix_is_not_decoded_again(worker):
     finally:
         fresh.close()
     assert text == ref.text and out.stats.n_drafted > 0
+
+
+def settled(worker) -> None:
+    """Wait (bounded) until the worker's loop has released every sequence: a job's "done" is sent from inside the
+    step that ends it, before the loop has finished with its sequence."""
+    for _ in range(1000):
+        if len(worker.idle) == worker.n_slots and not worker.running:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the worker did not release its sequences")
+
+
+def test_another_conversations_cached_turn_survives_a_new_request(tiny_target, tiny_close):
+    """With idle sequences to choose from, a prompt that shares only a short start with a conversation's cached turn
+    takes an empty sequence (scheduler.pick_session), and that conversation's next turn reuses its whole cache."""
+    with running_worker(tiny_target, tiny_close, 512, 4, parallel=3) as w:
+        eng = w.engine
+        run_job(w, eng.tokenize("You are terse. def fibonacci(n):\n    if n < 2:"))
+        settled(w)
+        held = next(s for s in w.sessions if s.tgt.tokens)
+        kept = list(held.tgt.tokens)
+        other = eng.tokenize("You are terse. The quick brown fox")
+        assert 0 < common_prefix(kept, other) < len(kept) // 2
+        _, out_b = run_job(w, other)
+        settled(w)
+        assert held.tgt.tokens == kept and out_b.n_reused == 0  # it went to an empty sequence
+        _, out = run_job(w, kept + eng.tokenize(" # next turn"))
+        assert out.n_reused >= len(kept) - 1
+        settled(w)
+
+
+def test_pick_session_keeps_what_others_hold_unless_the_prompt_continues_it():
+    from types import SimpleNamespace as NS
+
+    def ses(tokens):
+        return NS(tgt=NS(tokens=list(tokens)))
+
+    convo, empty, short = ses(range(100)), ses([]), ses([0, 1, 2, 50])
+    prompt = list(range(10)) + [999]  # shares 10 of convo's 100 and 3 of short's 4
+    assert pick_session([convo, empty, short], prompt) is short  # keeps 3 of 4: at least KEEP_MIN
+    assert pick_session([convo, empty], prompt) is empty  # would keep 10 of 100: an empty one loses nothing
+    assert pick_session([convo, empty], list(range(120))) is convo  # its next turn
+    other = ses(list(range(5)) + [7] * 30)  # shares 5, loses 30; convo shares 10, loses 90
+    assert pick_session([convo, other], prompt) is other
+    assert pick_session([ses([1] * 20), ses([0, 1] + [3] * 18)], prompt) is not None  # ties: any
 
 
 def test_the_first_token_is_sent_before_the_draft_reads_the_prompt(worker, monkeypatch):

@@ -5,8 +5,8 @@ server with one sequence is this loop with N = 1.
 It runs on the thread that loaded the models (the server's main thread): llama.cpp's CPU backend computes with GNU
 OpenMP, whose thread team belongs to the thread that first used it, and driven from any other thread every decode runs
 slower (docs/benchmarks.md, "The engine driven from another thread"). Between two steps the loop ends the generations
-whose clients left, gives waiting requests the idle sequences (each the one whose cached tokens share the longest prefix
-with its prompt, as llama-server's slot-prompt similarity), evaluates up to one chunk of joining prompts, then steps
+whose clients left, gives waiting requests the idle sequences (pick_session: the one whose cache the prompt continues,
+else the one whose cache loses least), evaluates up to one chunk of joining prompts, then steps
 every running generation once and sends each its text. A request that ends (end of generation, its token limit, a stop
 string, a full context, a client gone) leaves at once; a stop string rolls back its own sequence only.
 
@@ -42,6 +42,22 @@ if TYPE_CHECKING:
 
 PREFILL_CHUNK = 256
 SHARE_MIN = 32  # prompt tokens another sequence must hold beyond this one's cached prefix to be copied
+KEEP_MIN = 0.5  # the share of an idle sequence's cached tokens a prompt must keep to take it over an emptier one
+
+
+def pick_session(idle: list[Session], prompt: list[int]) -> Session:
+    """The idle sequence a prompt takes: one whose cache the prompt keeps at least KEEP_MIN of (an earlier turn of
+    this conversation, a repeated prompt; the longest such prefix), else the one whose cache loses least (an empty
+    one first, then the longest shared prefix), so that another conversation's cached turns stay for its next
+    request; a long shared start such as a system prompt is copied from its holder (Scheduler._share), not taken.
+    (llama-server: the slot most similar to the prompt, and the cache it overwrites saved to its RAM prompt cache.)"""
+    def shared(s: Session) -> int:
+        return common_prefix(s.tgt.tokens, prompt)
+
+    keeping = [s for s in idle if s.tgt.tokens and shared(s) >= KEEP_MIN * len(s.tgt.tokens)]
+    if keeping:
+        return max(keeping, key=shared)
+    return min(idle, key=lambda s: (len(s.tgt.tokens) - shared(s), -shared(s)))
 
 
 class Scheduler:
@@ -120,7 +136,7 @@ class Scheduler:
                 job.refuse_cancelled()
                 self._left()
                 continue
-            ses = max(self.idle, key=lambda s: common_prefix(s.tgt.tokens, job.prompt))
+            ses = pick_session(self.idle, job.prompt)
             self.idle.remove(ses)
             del ses.history[:]  # the prompt replaces the history; prefill keeps the shared cached prefix
             if not job.cache_prompt:
