@@ -98,6 +98,30 @@ class Server:
         self._f.close()
 
 
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) each thread of a process has used so far: {tid: (name, seconds)}."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_split(before: dict, after: dict, n_compute: int, wall_s: float, clients_s: float) -> dict:
+    """Where a load's CPU went, from two thread_cpu readings of the server: its `n_compute` busiest threads over
+    the load (llama.cpp's compute threads: the one that decodes and its workers) apart from the rest of the server
+    (HTTP, tokenizing, streaming), and the clients' process, each in seconds and as a share of the wall."""
+    used = sorted(((after[t][1] - before.get(t, (None, 0.0))[1], after[t][0]) for t in after), reverse=True)
+    compute, rest = sum(s for s, _ in used[:n_compute]), sum(s for s, _ in used[n_compute:])
+    return {"compute_threads_s": compute, "other_server_threads_s": rest, "clients_s": clients_s,
+            "other_server_share_of_wall": rest / wall_s, "clients_share_of_wall": clients_s / wall_s,
+            "busiest": [[name, round(s, 3)] for s, name in used[:n_compute + 3]]}
+
+
 def one_request(client, model: str, prompt: str | list[dict], max_tokens: int, extra: dict) -> dict:
     """One streaming chat request (a prompt as one user message, or a conversation's messages): time to first
     token, latency, tokens (from usage; a server without stream usage: max_tokens when it stopped for length,

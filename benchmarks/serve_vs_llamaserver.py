@@ -4,13 +4,15 @@ Three servers on one pair, one at a time, taking turns for each N so that a shar
 alike: specq serve (`--parallel N`, `--ctx C`), llama-server plain (`-np N -c N·C`) and llama-server with the same
 draft (`--spec-type draft-simple --spec-draft-model D --spec-draft-n-max 8`). N concurrent streaming clients send
 R greedy chat requests each (serve_load.run_load); "specq plain" is the same server asked for the target alone
-(`draft_max: 0` in each request); reported per server and N: aggregate tokens/s (every client's
+(`draft_max: 0` in each request), and "specq plain fa-off" that with `--flash-attn off` (the attention path
+before --flash-attn auto measured it, runtime/attention.py); reported per server and N: aggregate tokens/s (every client's
 tokens over the wall time), median and p95 time to first token. Each server is restarted for each N (its -np,
 specq's --parallel). With --rounds R the servers take turns R times at each N and the ratios are of the medians
 over the rounds (every round's row is kept). Also: how many prompts got the same answer from every server at
 every N; each load's target decodes per generated token from the servers' /metrics (`passes`: specq's
 specq:decodes, llama-server's n_decode_total with --metrics); and with --count-passes the passes over the
-weights themselves, counted from llama.cpp's batch debug log in one more, untimed load (count_passes).
+weights themselves, counted from llama.cpp's batch debug log in one more, untimed load (count_passes); and where
+each server's CPU time went over a load (serve_load.cpu_split: its compute threads, the rest of it, the clients).
 
     python benchmarks/serve_vs_llamaserver.py --llama-server PATH/llama-server [--pair demo|deep] \
         [--clients 1,4,8] [--requests 2] [--max-tokens 96] [--rounds 1] [--cpu-amx] [--spec-args=-nr] \
@@ -33,10 +35,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from deep_pair import pair  # noqa: E402
-from serve_load import PROMPTS, Server, chosen_kinds, free_port, model_of, run_load  # noqa: E402
+from serve_load import PROMPTS, Server, chosen_kinds, cpu_split, free_port, model_of, run_load, thread_cpu  # noqa: E402
+from specq.native.runtime.attention import cpu_name  # noqa: E402
 
 CTX = 2048  # one sequence's context (specq --ctx; llama-server -c N·CTX)
-KINDS = ("specq", "specq plain", "llama-server plain", "llama-server spec")
+KINDS = ("specq", "specq plain", "llama-server plain", "llama-server spec", "specq plain fa-off")
 
 
 def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str]:
@@ -44,7 +47,8 @@ def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str
         return [str(Path(sys.executable).parent / "specq"), "serve", "--target", str(target), "--draft", str(draft),
                 "--host", "127.0.0.1", "--port", "0", "--threads", str(a.threads), "--ctx", str(CTX),
                 "--parallel", str(n), "--draft-max", a.draft_max, "--max-queue", "64",
-                "--max-tokens", str(a.max_tokens)] + (["--cpu-amx"] if a.cpu_amx else [])
+                "--max-tokens", str(a.max_tokens)] + (["--cpu-amx"] if a.cpu_amx else []) + a.specq_args.split() \
+            + (["--flash-attn", "off"] if kind.endswith("fa-off") else [])
     cmd = [a.llama_server, "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "-np", str(n),
            "-c", str(n * CTX), "-t", str(a.threads), "-tb", str(a.threads), "--no-webui", "-ngl", "0", "--metrics"]
     if kind == "llama-server spec":
@@ -86,9 +90,6 @@ def passes(before: dict[str, float], after: dict[str, float], wall_s: float) -> 
             "tokens_per_decode": (gen + prompt) / max(n, 1)}
 
 
-UBATCH = re.compile(r"added ubatch to split:.*?n_tokens\s+=\s+(\d+)", re.S)
-
-
 def served_load(kind: str, n: int, target: Path, draft: Path, prompts: list[str], a, log: Path,
                 texts: dict | None = None, debug: bool = False) -> tuple[dict, dict, dict, int]:
     """One server of `kind` started alone, warmed up (the weights touched, the threads started), then the load of N
@@ -102,10 +103,14 @@ def served_load(kind: str, n: int, target: Path, draft: Path, prompts: list[str]
     try:
         model = model_of(srv)
         run_load(srv.url, model, prompts, 1, 1, 16)
-        extra = {"draft_max": 0} if kind == "specq plain" else {}  # the target alone, batched
+        extra = {"draft_max": 0} if kind.startswith("specq plain") else {}  # the target alone, batched
         before, start = metrics(srv.url), log.stat().st_size
+        cpu0, self0 = thread_cpu(srv.proc.pid), os.times()
         row = run_load(srv.url, model, prompts, n, a.requests, a.max_tokens, extra, texts, kind)
+        cpu1, self1 = thread_cpu(srv.proc.pid), os.times()
         after = metrics(srv.url)
+        row["cpu"] = cpu_split(cpu0, cpu1, a.threads, row["wall_s"],
+                               self1.user + self1.system - self0.user - self0.system)
         if kind == "specq" and n > 1:  # what the batch's planner did (plain steps: drafting did not pay)
             row["batch_steps"] = batch_steps(srv.url)
     finally:
@@ -146,6 +151,7 @@ def run_n(n: int, kinds: list[str], target: Path, draft: Path, prompts: list[str
         print(f"{kind:>18} N={n}: {row['total_tokens_per_s']:.1f} tok/s aggregate, TTFT p50 "
               f"{row['ttft_p50_s']:.2f}s p95 {row['ttft_p95_s']:.2f}s, errors {len(row['errors'])}"
               + f", decodes/token {row['passes']['decodes_per_token']:.3f}"
+              + f", other server threads {row['cpu']['other_server_share_of_wall']:.1%} of the wall"
               + (f", batch steps {row['batch_steps']}" if "batch_steps" in row else ""), file=sys.stderr, flush=True)
     return out
 
@@ -166,6 +172,7 @@ def main() -> None:
     ap.add_argument("--spec-args", default="",
                     help="more llama-server arguments for its speculative mode (-nr on an AMX CPU: the Q4_1 draft "
                          "in its AMX buffer crashes, docs/troubleshooting.md)")
+    ap.add_argument("--specq-args", default="", help="more specq serve arguments (e.g. --flash-attn on)")
     ap.add_argument("--count-passes", action="store_true",
                     help="after the timed rounds, one untimed load per server and N counting llama.cpp's ubatches")
     ap.add_argument("--json", help="write the results here")
@@ -194,6 +201,8 @@ def main() -> None:
         ratios[n] = {"vs_plain": ratio("specq", "llama-server plain"),
                      "plain_vs_plain": ratio("specq plain", "llama-server plain"),
                      "vs_spec": ratio("specq", "llama-server spec"),
+                     "plain_vs_fa_off": ratio("specq plain", "specq plain fa-off"),
+                     "fa_off_vs_plain": ratio("specq plain fa-off", "llama-server plain"),
                      "ttft_p50_vs_plain": ratio("specq", "llama-server plain", "ttft_p50_s"), "medians": by}
         print(f"N={n}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios[n].items() if isinstance(v, float)),
               file=sys.stderr, flush=True)
@@ -201,7 +210,7 @@ def main() -> None:
     doc = {"pair": a.pair, "target": target.name, "draft": draft.name, "ctx_per_sequence": CTX,
            "settings": {k: (Path(v).name if k == "llama_server" else v) for k, v in vars(a).items() if k != "json"}, "machine": platform.machine(),
            "cpus": os.cpu_count(), "load_before": load0, "load_after": os.getloadavg(), "rows": rows,
-           "ratios": ratios, "answers": same, "passes_counted": counted}
+           "ratios": ratios, "answers": same, "passes_counted": counted, "cpu": cpu_name()}
     if a.json:
         Path(a.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
