@@ -6,7 +6,8 @@ Xeon (AVX-512, AMX) the plain kernel was 1.45-2.4x faster for a 4-sequence step 
 Xeon"), on an AMD EPYC (AVX-512) flash attention was 7-11% faster at 100-2000 tokens on the deep target and 3-5%
 faster up to 1000 tokens, 16% slower at 4000, on the demo target (issue 53's section). So `--flash-attn auto`
 there times one plain step of N sequences both ways, on the loaded weights, in two small contexts (PROBE_DEPTH
-cached tokens each), and takes flash attention only where it is PROBE_GAIN faster. The
+cached tokens each), and takes flash attention only where it is PROBE_GAIN faster there and not PROBE_GAIN slower
+at PROBE_DEPTHS[1]. The
 answer is kept in specq's cache folder (attention.json) by CPU, model file, threads and N, so the probe runs once.
 A model whose plain step costs under PROBE_MIN_MS is not worth the probe (its timings are mostly noise): it keeps
 the plain kernel and nothing is written."""
@@ -30,9 +31,9 @@ log = logging.getLogger("specq.attention")
 
 PROBE_DEPTHS = (512, 2048)  # cached tokens per sequence: the short end of what users run, then deeper
 PROBE_BATCH = 512  # prompt rows a decode while the probe fills its contexts
-PROBE_STEPS = 5  # timed steps each way, alternating, after one warm-up each
+PROBE_STEPS = 7  # timed steps each way, alternating, after one warm-up each (medians)
 PROBE_MIN_MS = 20.0  # a plain step cheaper than this: the plain kernel, no probe
-PROBE_GAIN = 0.05  # flash attention must step this much faster to be chosen
+PROBE_GAIN = 0.05  # flash attention must step this much faster at the short depth, and not this much slower deeper
 CACHE_NAME = "attention.json"
 CACHE_MAX = 64  # entries kept (the oldest go)
 
@@ -175,7 +176,8 @@ def measure(model: _ffi.Model, threads: int, n_seq: int, n_ctx: int) -> Attentio
     """Time a plain step of N sequences at PROBE_DEPTHS[0] with the plain kernel, then (unless it is under
     PROBE_MIN_MS) both ways, the two contexts stepping in turn so that the machine's load hits both alike; where
     flash attention is PROBE_GAIN faster there, again at the deeper PROBE_DEPTHS[1] (as far as `n_ctx` allows),
-    where it must not be slower."""
+    where it must not be PROBE_GAIN slower (deeper, run-to-run spread on a 2-core EPYC was ±10%: a tie there is
+    a tie, and the short depth's clear gain decides)."""
     short, deep = PROBE_DEPTHS[0], min(PROBE_DEPTHS[1], n_ctx - PROBE_STEPS - 2)
     size = -(-(max(short, deep) + PROBE_STEPS + 2) // 256) * 256  # llama.cpp sizes caches in 256s
     ctxs: dict[str, _ffi.Context] = {}
@@ -192,8 +194,8 @@ def measure(model: _ffi.Model, threads: int, n_seq: int, n_ctx: int) -> Attentio
         if at["on"] >= (1 - PROBE_GAIN) * at["off"] or deep <= short:
             return AttentionProbe("on" if at["on"] < (1 - PROBE_GAIN) * at["off"] else "off", at["off"], at["on"])
         far = _time_both(ctxs, n_seq, deep)
-        return AttentionProbe("on" if far["on"] < far["off"] else "off", at["off"], at["on"], far["off"], far["on"],
-                              deep)
+        return AttentionProbe("on" if far["on"] <= (1 + PROBE_GAIN) * far["off"] else "off", at["off"], at["on"],
+                              far["off"], far["on"], deep)
     finally:
         for ctx in ctxs.values():
             ctx.close()
