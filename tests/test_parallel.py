@@ -154,6 +154,25 @@ def test_a_hybrid_target_with_four_sequences_is_exact(tiny_qwen35, tiny_qwen35_c
         assert e.tgt_ctx.unified  # a padding row would change an idle sequence's recurrent state (kv_streams)
 
 
+def test_an_idle_sequence_too_full_for_the_padding_rows_gets_none(tiny_target):
+    """A verify of r rows pads an idle sequence between busy ones with r rows after its last position; where its
+    context has no room for them (an answer that filled it, left cached) the decode goes unpadded (split) instead of
+    failing with a full context."""
+    with Engine(tiny_target, ctx=64, threads=1, parallel=3) as e:
+        ctx = e.tgt_ctx
+        assert not ctx.unified
+        full = ctx.n_ctx - 2  # two positions left: not enough for four rows
+        for seq, n in ((0, 10), (1, full), (2, 10)):
+            ctx.decode(list(range(5, 5 + n)), 0, logits="none", seq=seq)
+        ctx.decode_seqs([(0, [7, 8, 9, 10], 10, "all"), (2, [7, 8, 9, 10], 10, "all")])
+        assert ctx.n_padding_rows == 0 and ctx.pos_max(1) == full - 1
+        ctx.seq_rm(10, -1, seq=0)
+        ctx.seq_rm(10, -1, seq=2)
+        ctx.seq_rm(full - 4, -1, seq=1)  # room for four rows: padded again
+        ctx.decode_seqs([(0, [7, 8, 9, 10], 10, "all"), (2, [7, 8, 9, 10], 10, "all")])
+        assert ctx.n_padding_rows == 4 and ctx.pos_max(1) == full - 5
+
+
 def test_an_idle_sequence_between_busy_ones_gets_a_padding_row_and_keeps_its_memory(tiny_target, tiny_close):
     """On the CPU a plain target keeps a stream per sequence (config.kv_streams), and llama.cpp puts into one
     ubatch only sequences whose ids follow each other: sequences 0 and 2 stepping while 1 is idle decode a padding

@@ -752,7 +752,7 @@ def padding_rows(ctx: Context, parts: list[Part]) -> list[Part]:
     for seq in range(busy[0] + 1, busy[-1]):
         if seq not in busy:
             pos = ctx.pos_max(seq) + 1
-            if pos + 1 > ctx.n_ctx:
+            if pos + len(parts[0][1]) > ctx.n_ctx:  # no room for the rows: the decode splits instead
                 return []
             pads.append((seq, [0] * len(parts[0][1]), pos, "all"))  # outputs: batch index = output row
     ctx.n_padding_rows += sum(len(p[1]) for p in pads)
