@@ -184,6 +184,17 @@ MUTANTS = [
              "self.text.sync(self.session.history)"),)),
     Mutant("vocab-auto-ignores-cost", "--vocab-map auto scores a translation by tokens a step, not tokens a second",
            (("native/control/translation.py", "rate = b.tokens / b.seconds", "rate = float(b.tokens)"),)),
+    Mutant("attention-any-gain", "the attention probe takes flash attention where it is faster by any margin",
+           (("native/runtime/attention.py", 'return AttentionProbe("on" if at["on"] < (1 - PROBE_GAIN) * at["off"]',
+             'return AttentionProbe("on" if at["on"] < at["off"]'),
+            ("native/runtime/attention.py", 'if at["on"] >= (1 - PROBE_GAIN) * at["off"] or deep <= short:',
+             'if at["on"] >= at["off"] or deep <= short:'))),
+    Mutant("attention-short-only", "the attention probe never looks deeper than its short depth",
+           (("native/runtime/attention.py", "far = _time_both(ctxs, n_seq, deep)", "far = at"),)),
+    Mutant("pick-longest-prefix", "a new request takes the idle sequence with the longest shared prefix, whatever "
+           "another conversation's cache loses",
+           (("native/serving/scheduler.py", "ses = pick_session(self.idle, job.prompt)",
+             "ses = max(self.idle, key=lambda s: common_prefix(s.tgt.tokens, job.prompt))"),)),
 ]
 
 

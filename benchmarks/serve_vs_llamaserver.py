@@ -5,8 +5,8 @@ alike: specq serve (`--parallel N`, `--ctx C`), llama-server plain (`-np N -c NÂ
 draft (`--spec-type draft-simple --spec-draft-model D --spec-draft-n-max 8`). N concurrent streaming clients send
 R greedy chat requests each (serve_load.run_load); "specq plain" is the same server asked for the target alone
 (`draft_max: 0` in each request), and "specq plain fa-off" that with `--flash-attn off` (the attention path
-before --flash-attn auto measured it, runtime/attention.py); reported per server and N: aggregate tokens/s (every client's
-tokens over the wall time), median and p95 time to first token. Each server is restarted for each N (its -np,
+before --flash-attn auto measured it, runtime/attention.py); reported per server and N: aggregate tokens/s
+(every client's tokens over the wall time), median and p95 time to first token. Each server is restarted for each N (its -np,
 specq's --parallel). With --rounds R the servers take turns R times at each N and the ratios are of the medians
 over the rounds (every round's row is kept). Also: how many prompts got the same answer from every server at
 every N; each load's target decodes per generated token from the servers' /metrics (`passes`: specq's
