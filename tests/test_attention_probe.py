@@ -9,6 +9,7 @@ import json
 import pytest
 
 from specq.native.runtime import attention
+from specq.native.core.settings import GenerationSettings
 from specq.native.runtime.engine import Engine
 
 from test_parallel import PROMPTS, alone, together
@@ -122,6 +123,25 @@ def test_a_corrupt_cache_is_measured_again_and_rewritten(tiny_target, cache, mon
     cache.write_text(json.dumps({key: {"choice": "sideways", "off_ms": 1, "on_ms": 2}}))
     with Engine(tiny_target, ctx=128, threads=1, parallel=2) as e:
         assert not e.attention_probe.cached and e.flash_attn == "on"
+
+
+def test_a_probe_that_cannot_run_leaves_the_rule_and_the_model_loads(tiny_target, cache, monkeypatch, caplog):
+    from specq.errors import SpecqError
+
+    priced(monkeypatch, on_ms=30.0, off_ms=40.0)
+    tried = []
+
+    def no_room(model, threads, n_seq, flash_attn, n_ctx):
+        tried.append(flash_attn)
+        raise SpecqError("llama.cpp could not create a context (n_ctx=2048)")
+
+    monkeypatch.setattr(attention, "_context", no_room)
+    with caplog.at_level("WARNING", logger="specq.attention"):
+        with Engine(tiny_target, ctx=128, threads=1, parallel=2) as e:
+            assert e.flash_attn == "off" and e.attention_probe is None and tried == ["off"]
+            g = e.session().generate(e.tokenize("def f(x):"), GenerationSettings(n_predict=4), speculative=False)
+            assert len(g.run().tokens) == 4
+    assert "attention path not measured" in caplog.text and not cache.exists()
 
 
 def test_no_probe_where_the_flag_or_the_layout_decides(tiny_target, cache, monkeypatch):

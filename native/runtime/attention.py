@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ... import atomic
+from ...errors import SpecqError
 from ...machine import cache_dir
 from ..llama import ffi as _ffi
 
@@ -36,6 +37,7 @@ PROBE_MIN_MS = 20.0  # a plain step cheaper than this: the plain kernel, no prob
 PROBE_GAIN = 0.05  # flash attention must step this much faster at the short depth, and not this much slower deeper
 CACHE_NAME = "attention.json"
 CACHE_MAX = 64  # entries kept (the oldest go)
+PROBE_TOKEN = 1  # what the timed rows decode (any token costs the same)
 
 
 @dataclass(frozen=True)
@@ -119,20 +121,22 @@ def _remember(key: str, probe: AttentionProbe) -> None:
         log.debug("attention cache not written: %s", e)
 
 
-def choose_attention(model: _ffi.Model, threads: int, n_seq: int, n_ctx: int) -> AttentionProbe:
+def choose_attention(model: _ffi.Model, threads: int, n_seq: int, n_ctx: int) -> AttentionProbe | None:
     """The attention path for N sequences with a stream each on the CPU, each up to n_ctx tokens: the cached
-    answer, else a probe."""
+    answer, else a probe; None where the probe could not run (its two contexts did not fit in memory, a decode
+    failed): one warning, and the caller keeps its rule. The probe never stops a model from loading."""
     key = probe_key(str(model.path), threads, n_seq, n_ctx)
     hit = _cached(read_cache().get(key))
     if hit is not None:
         return hit
-    probe = measure(model, threads, n_seq, n_ctx)
+    try:
+        probe = measure(model, threads, n_seq, n_ctx)
+    except SpecqError as e:
+        log.warning("attention path not measured (%s); the plain kernel, as --flash-attn off", e)
+        return None
     if probe.on_ms is not None:
         _remember(key, probe)
     return probe
-
-
-PROBE_TOKEN = 1  # what the timed rows decode (any token costs the same)
 
 
 def _time_step(ctx: _ffi.Context, n_seq: int, pos: int) -> float:

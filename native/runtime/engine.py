@@ -249,8 +249,9 @@ class Engine:
         self.flash_attn = choose_flash_attn(flag, ngl, devices, self.parallel, streams)
         if flag == "auto" and streams and on_cpu(ngl, devices):
             self.attention_probe = choose_attention(self.target, self.threads, self.parallel, ctx)
-            log.info("%s", self.attention_probe.describe(self.parallel))
-            self.flash_attn = self.attention_probe.choice
+            if self.attention_probe is not None:
+                log.info("%s", self.attention_probe.describe(self.parallel))
+                self.flash_attn = self.attention_probe.choice
         return self.flash_attn
 
     def close(self) -> None:
