@@ -15,6 +15,18 @@ def cache_dir() -> Path:
     return Path(base) / "specq"
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else the machine's architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return os.uname().machine
+
+
 def physical_cores() -> int:
     """Physical CPU cores (llama.cpp's own default), falling back to the logical count."""
     try:

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from deep_pair import pair  # noqa: E402
+from specq.machine import cpu_name  # noqa: E402
 from specq.native.runtime import attention  # noqa: E402
 from specq.native.runtime.engine import Engine  # noqa: E402
 
@@ -55,7 +56,7 @@ def main() -> None:
                       file=sys.stderr, flush=True)
     doc = {"settings": {k: v for k, v in vars(a).items() if k != "json"}, "depths": attention.PROBE_DEPTHS,
            "steps": attention.PROBE_STEPS, "gain": attention.PROBE_GAIN, "machine": platform.machine(),
-           "cpu": attention.cpu_name(), "cpus": os.cpu_count(), "rows": rows}
+           "cpu": cpu_name(), "cpus": os.cpu_count(), "rows": rows}
     if a.json:
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
 

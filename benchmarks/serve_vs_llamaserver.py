@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from deep_pair import pair  # noqa: E402
 from serve_load import PROMPTS, Server, chosen_kinds, cpu_split, free_port, model_of, run_load, thread_cpu  # noqa: E402
-from specq.native.runtime.attention import cpu_name  # noqa: E402
+from specq.machine import cpu_name  # noqa: E402
 
 CTX = 2048  # one sequence's context (specq --ctx; llama-server -c N·CTX)
 KINDS = ("specq", "specq plain", "llama-server plain", "llama-server spec", "specq plain fa-off")

@@ -14,7 +14,6 @@ the plain kernel and nothing is written."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from ... import atomic
 from ...errors import SpecqError
-from ...machine import cache_dir
+from ...machine import cache_dir, cpu_name
 from ..llama import ffi as _ffi
 
 log = logging.getLogger("specq.attention")
@@ -65,21 +64,17 @@ class AttentionProbe:
                 f"{how})")
 
 
-def cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    return os.uname().machine
+def deep_depth(n_ctx: int) -> int:
+    """How deep the probe's second depth goes in a context of n_ctx tokens a sequence (its steps must fit)."""
+    return min(PROBE_DEPTHS[1], n_ctx - PROBE_STEPS - 2)
 
 
 def probe_key(model_path: str, threads: int, n_seq: int, n_ctx: int) -> str:
     """The cache's key: what the answer depends on (the CPU, the model file as it is now, threads, sequences, and
     how deep the probe could go)."""
     st = os.stat(model_path)
-    deep = min(PROBE_DEPTHS[1], n_ctx - PROBE_STEPS - 2)
-    return f"{cpu_name()}|{os.path.realpath(model_path)}|{st.st_size}|{st.st_mtime_ns}|t{threads}|n{n_seq}|d{deep}"
+    return (f"{cpu_name()}|{os.path.realpath(model_path)}|{st.st_size}|{st.st_mtime_ns}|t{threads}|n{n_seq}"
+            f"|d{deep_depth(n_ctx)}")
 
 
 def cache_path() -> Path:
@@ -98,14 +93,13 @@ def read_cache() -> dict:
 def _cached(entry) -> AttentionProbe | None:
     if not isinstance(entry, dict) or entry.get("choice") not in ("on", "off"):
         return None
-    numbers = ("off_ms", "on_ms", "deep_off_ms", "deep_on_ms", "deep")
-    try:
-        got = {k: None if entry.get(k) is None else float(entry[k]) for k in numbers}
-        if got["off_ms"] is None or got["on_ms"] is None:
-            return None
-        return AttentionProbe(entry["choice"], **{**got, "deep": None if got["deep"] is None else int(got["deep"])},
-                              cached=True)
-    except (TypeError, ValueError):
+    def maybe(cast, key):
+        return None if entry.get(key) is None else cast(entry[key])
+
+    try:  # the short depth's two times are always there; the deeper ones where they were taken
+        return AttentionProbe(entry["choice"], float(entry["off_ms"]), float(entry["on_ms"]),
+                              maybe(float, "deep_off_ms"), maybe(float, "deep_on_ms"), maybe(int, "deep"), cached=True)
+    except (KeyError, TypeError, ValueError):
         return None
 
 
@@ -182,7 +176,7 @@ def measure(model: _ffi.Model, threads: int, n_seq: int, n_ctx: int) -> Attentio
     flash attention is PROBE_GAIN faster there, again at the deeper PROBE_DEPTHS[1] (as far as `n_ctx` allows),
     where it must not be PROBE_GAIN slower (deeper, run-to-run spread on a 2-core EPYC was ±10%: a tie there is
     a tie, and the short depth's clear gain decides)."""
-    short, deep = PROBE_DEPTHS[0], min(PROBE_DEPTHS[1], n_ctx - PROBE_STEPS - 2)
+    short, deep = PROBE_DEPTHS[0], deep_depth(n_ctx)
     size = -(-(max(short, deep) + PROBE_STEPS + 2) // 256) * 256  # llama.cpp sizes caches in 256s
     ctxs: dict[str, _ffi.Context] = {}
     try:

@@ -244,10 +244,9 @@ class Engine:
     def _attention_path(self, flag: str, streams: bool, ctx: int) -> str:
         """The target's attention path (choose_flash_attn); with a KV stream per sequence on the CPU under
         --flash-attn auto measured on this machine once (runtime/attention.py), since CPUs disagree there about
-        which kernel steps faster."""
-        ngl, devices = self.config.ngl, as_list(self.config.devices)
-        self.flash_attn = choose_flash_attn(flag, ngl, devices, self.parallel, streams)
-        if flag == "auto" and streams and on_cpu(ngl, devices):
+        which kernel steps faster (`streams`: config.kv_streams, only ever on the CPU)."""
+        self.flash_attn = choose_flash_attn(flag, self.config.ngl, as_list(self.config.devices), self.parallel, streams)
+        if flag == "auto" and streams:
             self.attention_probe = choose_attention(self.target, self.threads, self.parallel, ctx)
             if self.attention_probe is not None:
                 log.info("%s", self.attention_probe.describe(self.parallel))

@@ -51,13 +51,11 @@ def pick_session(idle: list[Session], prompt: list[int]) -> Session:
     one first, then the longest shared prefix), so that another conversation's cached turns stay for its next
     request; a long shared start such as a system prompt is copied from its holder (Scheduler._share), not taken.
     (llama-server: the slot most similar to the prompt, and the cache it overwrites saved to its RAM prompt cache.)"""
-    def shared(s: Session) -> int:
-        return common_prefix(s.tgt.tokens, prompt)
-
-    keeping = [s for s in idle if s.tgt.tokens and shared(s) >= KEEP_MIN * len(s.tgt.tokens)]
+    shared = {id(s): common_prefix(s.tgt.tokens, prompt) for s in idle}
+    keeping = [s for s in idle if s.tgt.tokens and shared[id(s)] >= KEEP_MIN * len(s.tgt.tokens)]
     if keeping:
-        return max(keeping, key=shared)
-    return min(idle, key=lambda s: (len(s.tgt.tokens) - shared(s), -shared(s)))
+        return max(keeping, key=lambda s: shared[id(s)])
+    return min(idle, key=lambda s: (len(s.tgt.tokens) - shared[id(s)], -shared[id(s)]))
 
 
 class Scheduler:
