@@ -60,7 +60,8 @@ def answers(auto: bool, seed: int, n_answers: int = 3, n_tokens: int = 150, good
             c.at(200 + tokens, n_tokens - tokens)
             lim = min(16, n_tokens - tokens - 1)
             if auto:
-                name, k, to = c.choose({"model": lim, "ngram": lim if has_match[at] else 0})
+                choice = c.choose({"model": lim, "ngram": lim if has_match[at] else 0})
+                name, k, to = choice.drafter, choice.k, choice.handover
                 if name == "model" and to is not None and handover:
                     k = next((j for j in range(1, k) if match_run(has_match, at + j) >= to.least), k)
             else:
@@ -243,7 +244,8 @@ def edited_copy_answers(mode: str, seed: int, n_answers: int = 3, n_tokens: int 
             lim = min(16, n_tokens - tokens - 1)
             ng = min(lim, match_run(match, at))
             if auto:
-                name, k, to = c.choose({"model": lim, "ngram": ng})
+                choice = c.choose({"model": lim, "ngram": ng})
+                name, k, to = choice.drafter, choice.k, choice.handover
                 if name == "model" and to is not None and mode == "auto":
                     cut = next((j for j in range(1, k) if match_run(match, at + j) >= to.least), k)
                     n_cut, k = n_cut + (cut < k), cut

@@ -199,7 +199,7 @@ class DrafterChooser:
             self.n_probes += 1
             self.exploring = (other, pace_s)
             return Choice(self._use(other), max(k, min(self.probe_k, lim)))
-        return Choice(self._use(best), best_k, self._handover(best, pace_s, limits))
+        return Choice(self._use(best), best_k, lambda: self._handover(best, pace_s, limits))
 
     def _handover(self, best: str, pace_s: float, limits: dict[str, int]) -> Handover | None:
         """Where a drafter with a memory (a draft model) should stop drafting this step: once a memoryless drafter

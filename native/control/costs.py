@@ -156,7 +156,14 @@ class TargetCosts(Banded[VerifyBand]):
             c.refit()
 
     def verify_one_s(self) -> float:
-        """A single-token decode at the current context: measured here, else in the nearest band."""
+        """A single-token decode at the current context: measured here, else in the nearest band (computed once
+        until the next measurement or context, as verify_s: V(1))."""
+        v = self._v.get(1)
+        if v is None:
+            v = self._v[1] = self._one_s()
+        return v
+
+    def _one_s(self) -> float:
         c = self.band if 1 in self.band.v_mean else self.nearest(lambda c: 1 in c.v_mean)
         if c is not None:
             return c.v_mean[1]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,15 @@ class Handover(NamedTuple):
 
 class Choice(NamedTuple):
     """The drafter chooser's answer: which drafter drafts the next step (None: plain decoding), at most how
-    many tokens, and where it hands over to another drafter (None: nowhere)."""
+    many tokens, and where it hands over to another drafter (`handover`, None: nowhere). The handover is priced
+    only where the step drafts (`find_handover`, called by the drafts' stop rule): a batch's planner steps plain
+    in most steps at N ≥ 4 on a CPU, and pricing it for every sequence of every step was most of the chooser's
+    time (docs/benchmarks.md, "auto beside plain at N ≥ 4: the chooser's time")."""
 
     drafter: str | None
     k: int
-    handover: Handover | None = None
+    find_handover: Callable[[], Handover | None] | None = None
+
+    @property
+    def handover(self) -> Handover | None:
+        return self.find_handover() if self.find_handover is not None else None

@@ -7,7 +7,7 @@ from typing import Callable, Iterator, TYPE_CHECKING
 
 from ..control.chooser import DrafterChooser
 from ..control.length import LengthController
-from ..control.step import Handover, StepOutcome
+from ..control.step import Choice, Handover, StepOutcome
 from ..core.accept import accepted_per_position
 from ..core.constraint import Guide
 from ..core.sampling import Sampling
@@ -58,15 +58,19 @@ def drafter_counts(ses: Session) -> dict[str, int]:
 
 
 def handover_rule(ses: Session, s: GenerationSettings, p: RunningCounts,
-                  handover: Handover | None) -> Callable[[list[int]], bool] | None:
-    """A step's stop rule for a drafter's drafts (Session.until): hand over where `handover.to` would propose
-    enough (DrafterChooser._handover); counted in n_handovers."""
-    if handover is None:
+                  choice: Choice) -> Callable[[list[int]], bool] | None:
+    """A step's stop rule for a drafter's drafts (Session.until): hand over where the choice's handover drafter
+    would propose enough (DrafterChooser._handover, priced at the first drafted token: a step the batch keeps
+    plain never asks); counted in n_handovers."""
+    if choice.find_handover is None:
         return None
-    to = ses.drafters[handover.to]
+    found: list[Handover | None] = []
 
     def until(drafts: list[int]) -> bool:
-        if to.lookahead(drafts, handover.least, s) < handover.least:
+        if not found:
+            found.append(choice.handover)
+        handover = found[0]
+        if handover is None or ses.drafters[handover.to].lookahead(drafts, handover.least, s) < handover.least:
             return False
         p.n_handovers += 1
         return True
@@ -336,7 +340,7 @@ class Generation:
         if isinstance(ctrl, DrafterChooser):
             n = max(n_draft_max, 0)
             choice = ctrl.choose(ses.auto_limits(s, n), ses.auto_keys(s, n))
-            ses.until = handover_rule(ses, s, self._p, choice.handover)
+            ses.until = handover_rule(ses, s, self._p, choice)
             return choice.k, (choice.drafter,) if choice.drafter else ()
         return ctrl.choose(n_draft_max), None
 
