@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -136,6 +137,7 @@ def count_passes(n: int, kind: str, target: Path, draft: Path, prompts: list[str
     return {"server": kind, "parallel": n, "ubatches": len(rows), "ubatch_rows": sum(rows),
             "generated": load["generated"], "passes_per_token": len(rows) / max(load["generated"], 1),
             "rows_per_pass": sum(rows) / max(len(rows), 1),
+            "ubatch_sizes": {str(k): v for k, v in sorted(Counter(rows).items())},
             "draft_decodes": load.get("draft_decodes_per_token", 0.0) * load["generated"], "errors": row["errors"]}
 
 
