@@ -1,0 +1,122 @@
+"""The first loads' first tokens through specq serve --parallel N, with the engine's timeline: a server started
+as serve_vs_llamaserver.py starts it (with the draft; the benchmark's one-request warm-up), then `--loads` loads
+of N streaming clients × 2 requests (96 tokens), each request's arrival and time to first token, and every
+prefill, prompt read (the draft's side of a prefill), batch admission and step over 5 ms, timed inside the
+server (its Generation and Batch methods wrapped in this script's child mode). Says what the first wave's first
+tokens wait for (docs/benchmarks.md, "The first wave's first tokens").
+
+    python benchmarks/serve_first_wave.py [--pair demo|deep] [--parallel 4] [--loads 2] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import threading
+import time
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+TIMED = {"Generation": ("_prefill", "_read_prompt"), "Batch": ("add_all", "step", "delivered")}
+LINE = re.compile(r"^TIMELINE (\{.*\})$", re.M)
+
+
+def child() -> None:
+    """specq's CLI with the engine's methods timed: one TIMELINE line per call over 5 ms, on stderr."""
+    from specq.native.runtime import batch, generation
+
+    t0 = time.perf_counter()
+
+    def wrap(cls, name: str) -> None:
+        inner = getattr(cls, name)
+
+        def timed(self, *args, **kw):
+            start = time.perf_counter()
+            out = inner(self, *args, **kw)
+            ms = 1e3 * (time.perf_counter() - start)
+            if ms > 5:
+                ev = {"at_s": round(start - t0, 4), "what": f"{cls.__name__}.{name}", "ms": round(ms, 1)}
+                if cls is generation.Generation:
+                    ev |= {"seq": self.session.seq, "prepared": self.prepared}
+                elif name == "step":
+                    ev["live"] = len(self.live)
+                print("TIMELINE " + json.dumps(ev), file=sys.stderr, flush=True)
+            return out
+        setattr(cls, name, timed)
+
+    for cls in (generation.Generation, batch.Batch):
+        for name in TIMED[cls.__name__]:
+            wrap(cls, name)
+    from specq.cli.main import main
+
+    sys.argv = ["specq", *sys.argv[2:]]
+    sys.exit(main())
+
+
+def main() -> None:
+    import openai
+
+    import serve_vs_llamaserver as svl
+    from serve_load import Server, model_of, run_load
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", choices=("demo", "deep"), default="demo")
+    ap.add_argument("--parallel", type=int, default=4)
+    ap.add_argument("--loads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    target, draft = svl.pair(a.pair)
+    prompts = [json.loads(line)["prompt"] for line in svl.PROMPTS.read_text().splitlines() if line.strip()]
+    opts = types.SimpleNamespace(threads=a.threads, draft_max="auto", max_tokens=96, cpu_amx=False, specq_args="")
+    argv = [sys.executable, __file__, "--child", *svl.argv("specq", a.parallel, target, draft, opts, None)[1:]]
+    loads = []
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "serve.log"
+        srv = Server(argv, log, None)
+        try:
+            model = model_of(srv)
+            run_load(srv.url, model, prompts, 1, 1, 16)
+            for n in range(a.loads):
+                mark, requests, t_load = log.stat().st_size, [], time.perf_counter()
+
+                def client(c: int) -> None:
+                    cl = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+                    for r in range(2):
+                        t0, first = time.perf_counter(), None
+                        stream = cl.chat.completions.create(
+                            model=model, max_tokens=96, temperature=0, stream=True,
+                            messages=[{"role": "user", "content": prompts[(c * 2 + r) % len(prompts)]}])
+                        for chunk in stream:
+                            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                                first = time.perf_counter() - t0
+                        requests.append({"client": c, "request": r, "sent_s": round(t0 - t_load, 3),
+                                         "ttft_s": round(first or 0.0, 3)})
+
+                threads = [threading.Thread(target=client, args=(c,)) for c in range(a.parallel)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                with open(log, "rb") as f:
+                    f.seek(mark)
+                    timeline = [json.loads(m) for m in LINE.findall(f.read().decode("utf-8", "replace"))]
+                loads.append({"load": n, "requests": sorted(requests, key=lambda r: r["sent_s"]),
+                              "timeline": timeline})
+                print(f"load {n}: TTFT " + ", ".join(f"{r['ttft_s']:.2f}" for r in loads[-1]["requests"])
+                      + "; " + "; ".join(f"{e['what']} {e['ms']:.0f} ms" + (f" (seq {e['seq']}, prepared "
+                                          f"{e['prepared']})" if "seq" in e else "")
+                                          for e in timeline[:8]), file=sys.stderr, flush=True)
+        finally:
+            srv.stop()
+    if a.json:
+        Path(a.json).write_text(json.dumps({"settings": vars(a), "loads": loads}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    child() if len(sys.argv) > 1 and sys.argv[1] == "--child" else main()
