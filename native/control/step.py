@@ -58,7 +58,7 @@ class Choice(NamedTuple):
     many tokens, and where it hands over to another drafter (`handover`, None: nowhere). The handover is priced
     only where the step drafts (`find_handover`, called by the drafts' stop rule): a batch's planner steps plain
     in most steps at N ≥ 4 on a CPU, and pricing it for every sequence of every step was most of the chooser's
-    time (docs/benchmarks.md, "auto beside plain at N ≥ 4: the chooser's time")."""
+    time (docs/benchmarks.md, "The same EPYC: passes counted, and auto beside plain at N ≥ 4")."""
 
     drafter: str | None
     k: int
