@@ -17,7 +17,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -72,9 +71,8 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     target, draft = svl.pair(a.pair)
-    prompts = [json.loads(line)["prompt"] for line in svl.PROMPTS.read_text().splitlines() if line.strip()]
-    opts = types.SimpleNamespace(threads=a.threads, draft_max="auto", max_tokens=96, cpu_amx=False, specq_args="")
-    argv = [sys.executable, __file__, "--child", *svl.argv("specq", a.parallel, target, draft, opts, None)[1:]]
+    prompts = svl.load_prompts()
+    argv = [sys.executable, __file__, "--child", *svl.specq_defaults(a.parallel, target, draft, a.threads)[1:]]
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "serve.log"

@@ -12,7 +12,6 @@ import argparse
 import json
 import sys
 import tempfile
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -31,12 +30,11 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     target, draft = svl.pair(a.pair)
-    prompts = [json.loads(line)["prompt"] for line in svl.PROMPTS.read_text().splitlines() if line.strip()]
-    opts = types.SimpleNamespace(threads=a.threads, draft_max="auto", max_tokens=96, cpu_amx=False, specq_args="")
+    prompts = svl.load_prompts()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
-            srv = Server(svl.argv("specq", 1, target, draft, opts, None), Path(tmp) / f"serve-{r}.log", None)
+            srv = Server(svl.specq_defaults(1, target, draft, a.threads), Path(tmp) / f"serve-{r}.log", None)
             try:
                 model = model_of(srv)
                 client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none")

@@ -29,6 +29,7 @@ import re
 import statistics
 import sys
 import tempfile
+import types
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -56,6 +57,17 @@ def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str
         cmd += ["--spec-type", "draft-simple", "--spec-draft-model", str(draft), "--spec-draft-n-max", "8",
                 "-ngld", "0"] + a.spec_args.split()
     return cmd
+
+
+def load_prompts() -> list[str]:
+    """The loads' prompts (PROMPTS), in order."""
+    return [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+
+
+def specq_defaults(n: int, target: Path, draft: Path, threads: int = 2) -> list[str]:
+    """specq serve's command line as this benchmark starts it, with the defaults (draft-max auto, 96 tokens)."""
+    opts = types.SimpleNamespace(threads=threads, draft_max="auto", max_tokens=96, cpu_amx=False, specq_args="")
+    return argv("specq", n, target, draft, opts, None)
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -180,7 +192,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     target, draft = pair(a.pair)
-    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    prompts = load_prompts()
     kinds = chosen_kinds(ap, a.kinds, KINDS)
     load0 = os.getloadavg()
     rows, texts, counted = [], {}, []
