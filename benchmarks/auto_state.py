@@ -16,12 +16,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from deep_pair import pair  # noqa: E402
+from serve_load import load_prompts  # noqa: E402
 from specq.native.core.settings import GenerationSettings  # noqa: E402
 from specq.native.runtime.batch import Batch  # noqa: E402
 from specq.native.runtime.engine import Engine  # noqa: E402
-
-PROMPTS = Path(__file__).parent / "prompts" / "adaptive12.jsonl"
-
 
 def state(c) -> dict:
     """The chooser's view of the draft model now (milliseconds)."""
@@ -40,7 +38,7 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     target, draft = pair(a.pair)
-    texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    texts = load_prompts()
     rows = []
     for r in range(a.rounds):
         with Engine(target, draft, ctx=2048, threads=a.threads, parallel=1) as e:

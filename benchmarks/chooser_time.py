@@ -17,13 +17,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from deep_pair import pair  # noqa: E402
+from serve_load import load_prompts  # noqa: E402
 from specq.native.core.settings import GenerationSettings  # noqa: E402
 from specq.native.runtime import generation  # noqa: E402
 from specq.native.runtime.batch import Batch  # noqa: E402
 from specq.native.runtime.engine import Engine  # noqa: E402
-
-PROMPTS = Path(__file__).parent / "prompts" / "adaptive12.jsonl"
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -46,7 +44,7 @@ def main() -> None:
 
     generation.Generation._choose_draft = timed
     target, draft = pair(a.pair)
-    texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    texts = load_prompts()
     rows = []
     with Engine(target, draft, ctx=2048, threads=a.threads, parallel=a.parallel) as e:
         prompts = [e.tokenize(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n") for t in texts]  # ChatML

@@ -11,7 +11,6 @@ prefill leaves it. Medians of --repeat waves after a warm-up, the two ways in tu
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -20,13 +19,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from parallel_attention import start, write  # noqa: E402
+from serve_load import load_prompts  # noqa: E402
 from specq.native.llama import ffi  # noqa: E402
 
-PROMPTS = Path(__file__).parent / "prompts" / "adaptive12.jsonl"
-
-
 def prompts(model: ffi.Model) -> list[list[int]]:
-    texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    texts = load_prompts()
     return [model.tokenize(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n")[:-1]
             for t in texts]
 

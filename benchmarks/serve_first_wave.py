@@ -61,7 +61,7 @@ def main() -> None:
     import openai
 
     import serve_vs_llamaserver as svl
-    from serve_load import Server, model_of, run_load
+    from serve_load import Server, load_prompts, model_of, run_load
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", choices=("demo", "deep"), default="demo")
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     target, draft = svl.pair(a.pair)
-    prompts = svl.load_prompts()
+    prompts = load_prompts()
     argv = [sys.executable, __file__, "--child", *svl.specq_defaults(a.parallel, target, draft, a.threads)[1:]]
     loads = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -39,6 +39,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "benchmarks" / "prompts" / "adaptive12.jsonl"
+
+
+def load_prompts() -> list[str]:
+    """The benchmarks' general prompts (PROMPTS), in order."""
+    return [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
 START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 600
 _PORT = re.compile(r"on http://127\.0\.0\.1:(\d+)/v1")
@@ -264,7 +269,7 @@ def main() -> None:
     from specq.native.commands.demo import demo_pair
 
     target, draft = demo_pair()
-    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+    prompts = load_prompts()
     specq_bin = str(Path(sys.executable).parent / "specq")
     load0 = os.getloadavg()  # the machine is shared: say how busy it was
     servers: dict[str, Server] = {}

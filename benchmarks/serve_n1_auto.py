@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import serve_vs_llamaserver as svl  # noqa: E402
-from serve_load import Server, model_of  # noqa: E402
+from serve_load import Server, load_prompts, model_of  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     target, draft = svl.pair(a.pair)
-    prompts = svl.load_prompts()
+    prompts = load_prompts()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):

@@ -37,7 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from deep_pair import pair  # noqa: E402
-from serve_load import PROMPTS, Server, chosen_kinds, cpu_split, free_port, model_of, run_load, thread_cpu  # noqa: E402
+from serve_load import (Server, chosen_kinds, cpu_split, free_port, load_prompts, model_of,  # noqa: E402
+                        run_load, thread_cpu)
 from specq.machine import cpu_name  # noqa: E402
 
 CTX = 2048  # one sequence's context (specq --ctx; llama-server -c N·CTX)
@@ -57,11 +58,6 @@ def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str
         cmd += ["--spec-type", "draft-simple", "--spec-draft-model", str(draft), "--spec-draft-n-max", "8",
                 "-ngld", "0"] + a.spec_args.split()
     return cmd
-
-
-def load_prompts() -> list[str]:
-    """The loads' prompts (PROMPTS), in order."""
-    return [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
 
 
 def specq_defaults(n: int, target: Path, draft: Path, threads: int = 2) -> list[str]:
