@@ -146,6 +146,14 @@ MUTANTS = [
     Mutant("handover-ignored", "--drafter auto: the draft model drafts on past the point where an n-gram would "
                                "copy (Session.until ignored)",
            (("native/drafters/model.py", "n_max, self.session.until)", "n_max, None)"),)),
+    Mutant("fold-stale-row", "a folded prefill's row read after another decode of the context (Session.take_ahead "
+                             "without its stamp)",
+           (("native/runtime/session.py", "if use and stamp == self.tgt.ctx.n_decode_calls and len",
+             "if use and len"),)),
+    Mutant("fold-sampler-output-row", "llama.cpp's sampler given the output row, not its batch index, after a "
+                                      "folded prefill (Context.output_index)",
+           (("native/llama/ffi.py", 'self._out_at = {seq: m - 1 if logits == "last" else 0}',
+             "self._out_at = {seq: 0}"),)),
     Mutant("suffix-keeps-interrupted", "--drafter suffix: an interrupted generation's partial output enters the "
                                        "store",
            (("native/drafters/suffix.py", "if self.on and not interrupted and output", "if self.on and output"),)),
@@ -204,6 +212,10 @@ def run_tests(timeout: int, first: bool = False, tests: list[str] = TESTS) -> tu
                         *tests], cwd=ROOT,
                        capture_output=True, text=True, timeout=timeout)
     failed = sorted({m.group(1) for m in re.finditer(r"^(?:FAILED|ERROR) (\S+)", r.stdout, re.M)})
+    if r.returncode != 0 and not failed and not re.search(r"\d+ (?:passed|failed|errors?|skipped)\b.* in [\d.]+s", r.stdout):
+        # the test process ended inside a test (a native abort: specq's one line, exit 1) with no summary
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        failed = [f"(process)::ended inside a test: {last[:100]}"]
     return r.returncode, failed, time.perf_counter() - t0
 
 

@@ -487,6 +487,7 @@ class Context(CacheMemory, _Handle):
         self.n_rs_seq = int(C.llama_n_rs_seq(handle))  # what llama.cpp granted (clamped to 0 if unsupported)
         self._last_pos0 = {0: 0}  # each sequence's first position in its last llama_decode (rollback snapshots)
         self._out_row = {0: 0}  # each sequence's first output row in the last llama_decode
+        self._out_at = {0: 0}  # and that row's index in the batch (what llama.cpp's samplers take)
         self.n_multi_decodes = 0  # decodes that carried rows of two or more sequences
         self.max_seqs_per_decode = 1
         self.n_swa = 0 if swa_full else model.n_swa  # the window of layers that may drop old positions (0: none)
@@ -577,6 +578,7 @@ class Context(CacheMemory, _Handle):
                 self._out[m - 1] = 1
             self._last_pos0[seq] = pos0 + start
             self._out_row = {seq: 0}
+            self._out_at = {seq: m - 1 if logits == "last" else 0}
             self._run(m, pos0 + start, f"{self.name}: batch of {m} at pos {pos0 + start}", [(seq, pos0 + start, m)])
             start += m
         self.n_outputs = (n - (start - m)) if logits == "all" else (1 if logits == "last" else 0)
@@ -591,7 +593,7 @@ class Context(CacheMemory, _Handle):
                              f"(batch size {self.n_batch}); this is a bug in the caller")
         if m == 0:
             return
-        i, row, outs = 0, 0, {}
+        i, row, outs, at = 0, 0, {}, {}
         for seq, tokens, pos0, logits in parts:
             n = len(tokens)
             if pos0 + n > self.n_ctx:
@@ -604,11 +606,12 @@ class Context(CacheMemory, _Handle):
             if logits == "last":
                 self._out[i + n - 1] = 1
             outs[seq] = row
+            at[seq] = i + n - 1 if logits == "last" else i
             row += n if logits == "all" else (1 if logits == "last" else 0)
             self._last_pos0[seq] = pos0
             i += n
         self._set_seqs(m, None)
-        self._out_row = outs
+        self._out_row, self._out_at = outs, at
         self.n_outputs = row
         if len(parts) >= 2:
             self.n_multi_decodes += 1
@@ -659,8 +662,9 @@ class Context(CacheMemory, _Handle):
             raise LlamaCallError("llama_decode", rc, what)
 
     def output_index(self, i: int, seq: int = 0) -> int:
-        """The last decode's output row of a sequence's i-th row."""
-        return self._out_row.get(seq, 0) + i
+        """The batch index of a sequence's i-th output row in the last decode (where llama.cpp's samplers read
+        it: with logits "last" the final row's)."""
+        return self._out_at.get(seq, 0) + i
 
     def logits(self, n_rows: int | None = None, seq: int = 0) -> np.ndarray:
         """A read-only (n_rows, n_vocab) float32 view of the last decode's outputs (a sequence's rows, where it

@@ -95,7 +95,7 @@ class Batch:
                 or not pl.knows_draft and not any(g.prepared for g in others)
             n_joined = len(joined or ())
             try:
-                gen.start(prepare=prepare, joined=joined)
+                gen.start(prepare=prepare, joined=joined, alone=not others)
             except Exception as e:  # noqa: BLE001 - this prompt fails (too long, empty), the others go on
                 if joined:
                     del joined[n_joined:]

@@ -172,16 +172,18 @@ class Generation:
             self.conclude()
 
     # ---- the loop's pieces: a batch of sequences (runtime/batch.py) runs them itself, one step for all ----
-    def start(self, prepare: bool = True, joined: list | None = None) -> None:
+    def start(self, prepare: bool = True, joined: list | None = None, alone: bool = True) -> None:
         """Evaluate the prompt and get ready for the first step. `prepare` False (joining a batch that is not
         drafting, runtime/batch.py): no calibration timings or prompt agreement, the prompt in one decode.
         `joined`: the prompt's untimed end is left to the caller, for one decode with other prompts
-        (Session.prefill_target); joined_prefill(seconds) follows it."""
+        (Session.prefill_target); joined_prefill(seconds) follows it. `alone`: the first step is likely this
+        sequence's alone, so the prefill evaluates the last token too (folded, Session.take_ahead); a batch that
+        runs others steps it with them, and the prompt stops before it as before."""
         ses, s, p = self.session, self.settings, self._p
         self.prepared = prepare
         self._stop = "interrupted"  # until the loop ends by itself
         self._done = self._first = False
-        self._prefill(prepare, joined)
+        self._prefill(prepare, joined, alone)
         self._samp = Sampling(s, self.speculative, None if s.constraint is None else
                               Guide(s.constraint, ses.engine.target, self.tokens, self._clock))
         if self.controller is not None:
@@ -269,7 +271,7 @@ class Generation:
             return "ctx"
         return None
 
-    def _prefill(self, prepare: bool = True, joined: list | None = None) -> None:
+    def _prefill(self, prepare: bool = True, joined: list | None = None, alone: bool = True) -> None:
         """Evaluate the prompt on the target (the draft's side waits for the first token: _read_prompt). Where
         nothing was measured at this context yet, the prefill times single tokens on each model, so that the first
         speculative step is priced at this context (at thousands of tokens attention changes the costs). Before the
@@ -298,7 +300,7 @@ class Generation:
                            spans_to_time=(lambda first, last: ctrl.calibration_points(first, last, has_reader))
                            if ctrl is not None and prepare else None,
                            agree=AGREE_TOKENS if self._wants or self._trial else 0,
-                           sampled=sampled, joined=joined)
+                           sampled=sampled, joined=joined, fold=alone)
         p.prompt_s = self._clock() - tp0
 
     def _read_prompt(self) -> None:

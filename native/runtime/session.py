@@ -39,6 +39,10 @@ class Session:
         # the last prefill's longest read of the prompt by the reader: (context, tokens, seconds), a catch-up's cost
         self.read_timing: tuple[int, int, float] | None = None
         self._pending = None  # prefill_target's work for prefill_reader
+        # a folded prefill (prefill_target): the target also holds the history's last token, its logits the last
+        # output of the context's decode number _ahead (Context.n_decode_calls); the first step takes them (take_ahead)
+        self._ahead: int | None = None
+        self.n_folded = 0  # first tokens taken from their prefill's decode (take_ahead)
         # this step's stop rule for a drafter drafting token by token (None: none): it stops once it holds for the
         # drafts so far (--drafter auto hands the step over to an n-gram match: generation.handover_rule)
         self.until: Callable[[list[int]], bool] | None = None
@@ -46,6 +50,7 @@ class Session:
 
     def reset(self) -> None:
         self._pending = None
+        self._ahead = None
         self.history.clear()
         self.tgt.clear()
         for d in self.drafters.values():
@@ -142,8 +147,9 @@ class Session:
 
     def prefill_target(self, new_tokens: list[int], spans_to_time: Callable[[int, int], list[tuple[int, int]]] | None = None,
                        agree: int = 0, sampled: GenerationSettings | None = None,
-                       joined: list | None = None) -> None:
-        """prefill's target part: the target holds all but the history's last token when it returns, and a
+                       joined: list | None = None, fold: bool = True) -> None:
+        """prefill's target part: the target holds all but the history's last token when it returns (with `fold`
+        where _folds: that one too, its logits for the first step: take_ahead), and a
         generation can take its first token (a plain step) before the reader reads the prompt
         (prefill_reader), so that the draft's side of the prefill stays off the path to the first token.
         `joined`: the tokens after the timed spans are not decoded but appended to it as (memory, tokens, "none"),
@@ -157,10 +163,13 @@ class Session:
                 "use a larger --ctx or a shorter prompt")
         self.history.extend(new_tokens)
         self.agreement = None
-        self._pending = None
+        self._pending = self._ahead = None
         try:
             self.rewind()
-            self._pending = self._target_spans(self._spans(spans_to_time, agree), sampled, joined)
+            fold = fold and joined is None and self._folds()
+            self._pending = self._target_spans(self._spans(spans_to_time, agree), sampled, joined, fold)
+            if fold:
+                self._ahead = self.tgt.ctx.n_decode_calls
         except BaseException:
             del self.history[-len(new_tokens):]
             self.rewind()
@@ -181,6 +190,26 @@ class Session:
         if read.agreement is not None:
             self.agreement = read.agreement
         return read.timings
+
+    def _folds(self) -> bool:
+        """Whether a prefill evaluates the prompt's last token too (folded): where the first step can take its
+        logits from the prefill's decode instead of a decode of its own (one pass less before the first token, as
+        llama.cpp's own loops take it), and where one token can be dropped again (not hybrid, sliding-window or
+        MTP targets)."""
+        return self.tgt.partial_rm and not self.tgt.ctx.n_swa and self.engine.mtp_ctx is None
+
+    def take_ahead(self, use: bool) -> bool:
+        """Whether the target holds the history's last token with its logits still the context's last output (a
+        folded prefill, no decode since): then, where `use` (a step of this sequence alone and plain), the step
+        reads them and decodes nothing; otherwise the token is dropped for the step to decode again. Once only."""
+        stamp, self._ahead = self._ahead, None
+        if stamp is None:
+            return False
+        if use and stamp == self.tgt.ctx.n_decode_calls and len(self.tgt.tokens) == len(self.history):
+            self.n_folded += 1
+            return True
+        self.tgt.truncate(len(self.history) - 1)
+        return False
 
     def drop_reader_prefill(self) -> None:
         """The reader will not read the prompt now (prefill_reader skipped): it catches up when it drafts."""
@@ -206,10 +235,10 @@ class Session:
         return spans
 
     def _target_spans(self, spans: list[Span], sampled: GenerationSettings | None,
-                      joined: list | None = None) -> list[tuple[Span, object]]:
+                      joined: list | None = None, fold: bool = False) -> list[tuple[Span, object]]:
         """Decode the prompt on the target, each span alone: a timed span's seconds, an agreement span's greedy
         choices (every row's logits) and, with `sampled`, its rows under that transform (AgreeRows), for the
-        reader's part."""
+        reader's part. The rest in one decode: up to the last token, or with `fold` that too, its logits kept."""
         hist, clock, done = self.history, self.engine.clock, []
         for span in spans:
             pos, n = span.pos, span.n
@@ -218,10 +247,12 @@ class Session:
             self.tgt.extend(hist[pos:pos + n], logits="all" if span.agree or n > 1 else "last")
             t1 = clock()
             done.append((span, AgreeRows.of(self.tgt.ctx.logits(n), sampled) if span.agree else t1 - t0))
-        rest = hist[len(self.tgt.tokens):len(hist) - 1]
-        if joined is None:
-            self.tgt.extend(rest, logits="none")
+        if fold:  # the last token too, with its logits: the first token's (take_ahead)
+            self.tgt.extend(hist[len(self.tgt.tokens):], logits="last")
+        elif joined is None:
+            self.tgt.extend(hist[len(self.tgt.tokens):len(hist) - 1], logits="none")
         else:
+            rest = hist[len(self.tgt.tokens):len(hist) - 1]
             joined.append((self.tgt, rest, "none"))
         return done
 

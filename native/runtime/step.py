@@ -5,7 +5,8 @@
    (`Drafter.propose_batch`: for a draft model, one decode per draft position over the sequences still drafting;
    for one sequence, its own `propose`). A constraint cuts a proposal at its first forbidden token.
 2. **Verify**: ONE target decode carries every sequence's `[last, d1..dn]` rows, logits at each (for one
-   sequence, `Memory.extend` on the plain context).
+   sequence, `Memory.extend` on the plain context). A first token alone and plain decodes nothing: its row is
+   its prompt's (a folded prefill, `Session.take_ahead`).
 3. **Accept**: each sequence's own rule and sampling state on its own rows (`accept`), before any sequence
    rewinds (a hybrid target's rewind may decode again and replace the logits).
 The rewind is each generation's own (`Generation.take`: `Session.rewind`).
@@ -105,9 +106,13 @@ def step(asks: list[Ask]) -> list[StepResult]:
         if not keep:
             names[i] = None
     t1 = clock()
+    parts = []
     for a, d in zip(asks, drafts):
+        if a.session.take_ahead(use=len(asks) == 1 and not d):
+            continue  # a first token: its row is the folded prefill's (Session.take_ahead)
         a.session.tgt.save_checkpoint(n_next=len(d) + 1)  # the verify is one decode; its first token stays
-    extend_many([(a.session.tgt, [a.session.history[-1]] + d, "all") for a, d in zip(asks, drafts)])
+        parts.append((a.session.tgt, [a.session.history[-1]] + d, "all"))
+    extend_many(parts)
     accepted = [accept(a.session, d, q, a.samp) for a, d, q in zip(asks, drafts, dists)]
     logprobs = [logprobs_of(a.session, e, a.settings) for a, (e, _) in zip(asks, accepted)]
     verify_s = clock() - t1
