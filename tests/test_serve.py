@@ -78,6 +78,18 @@ def test_draft_max_0_runs_the_target_alone(server):
     assert alone.usage.model_extra["speculative"] is None and spec.usage.model_extra["speculative"]["n_drafted"] > 0
 
 
+def test_a_lone_answer_takes_its_first_token_from_its_prompts_decode(server):
+    """The prompt's last token is evaluated with the prompt (a folded prefill): an answer of n tokens alone on
+    the server costs the target n decodes, the prompt's one included, as llama-server's (n + 1 before)."""
+    c = client(server.url)
+    key = 'specq:decodes{model="target"}'
+    d0 = server.metrics()[key]
+    out = c.completions.create(model="target", prompt="Write the twelve months of the year, one a line:",
+                               max_tokens=12, temperature=0, extra_body={"draft_max": 0})
+    n = out.usage.completion_tokens
+    assert n > 1 and server.metrics()[key] - d0 == n
+
+
 def test_a_request_may_pick_the_ngram_drafter(server):
     c = client(server.url)
     prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"

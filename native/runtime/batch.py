@@ -74,7 +74,8 @@ class Batch:
         """Evaluate several generations' prompts and make them live; those that could not start, with why (the
         others go on). In one unified cache the prompts' untimed ends are evaluated together, in as few decodes
         as the batch size allows (one pass of several prompts costs less than one each on the CPU); a failure of
-        that decode is raised, nothing joined. With a stream per sequence llama.cpp splits prompts of different
+        that decode is raised, nothing joined (a prompt alone is its own: folded where it steps alone,
+        Generation.start). With a stream per sequence llama.cpp splits prompts of different
         lengths into many small passes, which gain nothing: one decode each there (docs/benchmarks.md, "serve
         --parallel on an AMX Xeon").
 
@@ -84,7 +85,7 @@ class Batch:
         the draft's cost — for one sequence, whose timings price it; else the draft reads the prompt as a
         catch-up when the batch first lets it draft (at high load maybe never)."""
         pl, started, failed = self.planner, [], []
-        joined: list | None = [] if gens and gens[0].session.engine.tgt_ctx.unified else None
+        joined: list | None = [] if len(gens) > 1 and gens[0].session.engine.tgt_ctx.unified else None
         for gen in gens:
             others = self.live + started
             if gen.session.seq in {g.session.seq for g in others}:
