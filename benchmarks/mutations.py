@@ -212,7 +212,8 @@ def run_tests(timeout: int, first: bool = False, tests: list[str] = TESTS) -> tu
                         *tests], cwd=ROOT,
                        capture_output=True, text=True, timeout=timeout)
     failed = sorted({m.group(1) for m in re.finditer(r"^(?:FAILED|ERROR) (\S+)", r.stdout, re.M)})
-    if r.returncode != 0 and not failed and not re.search(r"\d+ (?:passed|failed|errors?|skipped)\b.* in [\d.]+s", r.stdout):
+    summary = re.search(r"\d+ (?:passed|failed|errors?|skipped)\b.* in [\d.]+s", r.stdout)
+    if r.returncode != 0 and not failed and not summary:
         # the test process ended inside a test (a native abort: specq's one line, exit 1) with no summary
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]
         failed = [f"(process)::ended inside a test: {last[:100]}"]
