@@ -27,7 +27,7 @@ TESTS = ["tests/test_exactness.py", "tests/test_rejection.py", "tests/test_engin
          "tests/test_counts.py", "tests/test_parallel.py", "tests/test_logprobs.py",
          "tests/test_batch_plan.py", "tests/test_constrained.py", "tests/test_serve_tools_e2e.py",
          "tests/test_drafter_interface.py", "tests/test_auto_drafter.py", "tests/test_suffix.py",
-         "tests/test_crossvocab.py"]
+         "tests/test_crossvocab.py", "tests/test_first_token.py"]
 
 
 @dataclass(frozen=True)
