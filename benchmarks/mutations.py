@@ -154,6 +154,10 @@ MUTANTS = [
                                       "folded prefill (Context.output_index)",
            (("native/llama/ffi.py", 'self._out_at = {seq: m - 1 if logits == "last" else 0}',
              "self._out_at = {seq: 0}"),)),
+    Mutant("catchup-beside-first-token", "a draft with a deferred prompt read catches up in the step that gives "
+                                         "another sequence its first token (Batch._first_tokens_first skipped)",
+           (("native/runtime/batch.py", "            if wishes:\n                plans = self._first_tokens_first(",
+             "            if False:\n                plans = self._first_tokens_first("),)),
     Mutant("suffix-keeps-interrupted", "--drafter suffix: an interrupted generation's partial output enters the "
                                        "store",
            (("native/drafters/suffix.py", "if self.on and not interrupted and output", "if self.on and output"),)),

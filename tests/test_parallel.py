@@ -371,3 +371,24 @@ def test_a_shared_prompt_start_is_copied_from_another_sequence_not_evaluated(tin
         assert_consistent(a)
         assert_consistent(b)
         assert b.share_prefix(a, prompt, least=32) == 0  # nothing more to gain
+
+
+def test_a_deferred_prompt_read_keeps_out_of_a_joiners_first_step(tiny_target, tiny_close):
+    """A lone request's draft whose prompt read waited while another request joined (Batch.delivered(defer)):
+    the step that gives the joiner its first token drafts nothing for it (its catch-up would hold that token
+    back); it catches up and drafts at a later step, and both answers are their own."""
+    lengths = [24, 20]
+    want = alone(tiny_target, PROMPTS[:2], lengths)
+    with Engine(tiny_target, tiny_close, ctx=256, threads=1, parallel=2) as e:
+        batch = Batch()
+        a, b = (e.session(i).generate(e.tokenize(p), GenerationSettings(n_predict=n, draft_max=4))
+                for i, (p, n) in enumerate(zip(PROMPTS, lengths)))
+        batch.add(a)
+        batch.step(read_now=False)  # a's first token
+        batch.delivered(defer=True)
+        assert batch.n_deferred_reads == 1 and a.session.drafters["model"].behind() > 2
+        batch.add(b)
+        batch.step()  # b's first token: a steps plain beside it
+        assert batch.n_first_plain == 1 and a.snapshot().n_drafted == 0
+        batch.run()
+    assert a.tokens == want[0] and b.tokens == want[1] and a.stats.n_drafted > 0 and b.stats.n_drafted > 0

@@ -11,6 +11,7 @@ from ..control.batch_plan import BatchPlanner, Wish
 from ..control.chooser import DrafterChooser
 from ..core.memory import extend_grouped
 from ..core.stats import TokenEvent
+from ..drafters.base import CATCHUP_SHORT
 from . import step as speculative
 from .step import Ask
 
@@ -61,6 +62,8 @@ class Batch:
         self.plan_lengths = True
         self.n_unprepared = 0  # joiners whose drafts were left alone
         self.n_lone_plain = 0  # steps of an unprepared sequence alone, kept plain (_alone)
+        self.n_deferred_reads = 0  # prompt reads left to a catch-up while requests waited to join (delivered)
+        self.n_first_plain = 0  # drafts kept for later beside another's first token (_first_tokens_first)
         self.n_joined_prompts = 0  # prompts evaluated in one decode with another's (add_all)
         self._stepped: list[Generation] = []  # the last step's generations, until delivered()
 
@@ -136,6 +139,8 @@ class Batch:
                 plans = self._alone(going[0], plans)
             if wishes and self.plan_lengths:
                 plans = self._cap(going, wishes, plans)
+            if wishes:
+                plans = self._first_tokens_first(going, wishes, plans)
             tgt = going[0].session.engine.tgt_ctx
             pads0 = tgt.n_padding_rows
             results = speculative.step([Ask(g.session, g.settings, g.sampling, *plan) for g, plan in zip(going, plans)])
@@ -157,14 +162,33 @@ class Batch:
                 self.delivered()
         return out
 
-    def delivered(self) -> None:
+    def delivered(self, defer: bool = False) -> None:
         """The last step's tokens are out (step(read_now=False): sent to the clients): a first token is out, so a
-        prepared draft reads its prompt now, off the path to that token (Generation.after_delivery)."""
+        prepared draft reads its prompt now, off the path to that token (Generation.after_delivery). `defer`:
+        requests wait to join (a server's queue), whose first tokens the read would hold back: the draft catches
+        up instead when the batch first lets it draft, and not in a step that gives another its first token."""
         going, self._stepped = self._stepped, []
         for g in going:
             if g in self.live:
-                g.after_delivery(read=g.prepared or self.planner.drafting
-                                 or len(going) == 1 and not self.planner.settled_plain)
+                read = g.prepared or self.planner.drafting or len(going) == 1 and not self.planner.settled_plain
+                if read and defer and g.read_pending:
+                    read = False
+                    self.n_deferred_reads += 1
+                g.after_delivery(read=read)
+
+    def _first_tokens_first(self, going: list[Generation], wishes: list[Wish], plans: list) -> list:
+        """A step that gives a sequence its first token drafts nothing for a sequence whose draft must first read
+        a long way (a prompt read deferred, or plain steps since it last drafted): that catch-up would hold the
+        first token back; it drafts at a later step."""
+        if not any(g.n_steps == 0 for g in going):
+            return plans
+        out = []
+        for w, (k, drafters) in zip(wishes, plans):
+            if k > 0 and w.decodes and w.behind > CATCHUP_SHORT:
+                k = 0
+                self.n_first_plain += 1
+            out.append((k, drafters))
+        return out
 
     def _alone(self, g: Generation, plans: list) -> list:
         """A sequence stepping alone: its own plan, or plain decoding while its draft was never got ready and the

@@ -244,6 +244,11 @@ class Generation:
                 self.session.drop_reader_prefill()
 
     @property
+    def read_pending(self) -> bool:
+        """Whether the first token is out and the draft's side of the prefill waits (after_delivery comes next)."""
+        return self._first and not self._done
+
+    @property
     def ended(self) -> bool:
         """Whether the last step ended the generation (end of generation, n_predict): conclude() comes next."""
         return self._done

@@ -226,9 +226,13 @@ class Scheduler:
                 if gen.stats is not None:
                     self._done(run)
         try:
-            self.batch.delivered()
+            self.batch.delivered(defer=self._joining_soon())
         except Exception as e:  # noqa: BLE001 - a draft's read failed: the generations it served fail
             self._fail_batch(e)
+
+    def _joining_soon(self) -> bool:
+        """Whether a request waits to join the batch (queued for an idle sequence, or its prompt evaluating)."""
+        return bool(self.idle) and not self._jobs.empty() or any(r.gen is None for r in self.running)
 
     def _drop_cancelled(self) -> None:
         """End the generations whose clients left (between steps: the others' memories are untouched)."""
