@@ -44,6 +44,10 @@ def child() -> None:
                     ev |= {"seq": self.session.seq, "prepared": self.prepared}
                 elif name == "step":
                     ev["live"] = len(self.live)
+                    drafted = [(g.session.seq, g._last[0].drafter, g._last[0].n_drafted, len(g._last[0].emitted))
+                               for g in self._stepped if getattr(g, "_last", None) and g._last[0].n_drafted]
+                    if drafted:  # (sequence, drafter, drafted, emitted) of each sequence that drafted
+                        ev["drafted"] = drafted
                 print("TIMELINE " + json.dumps(ev), file=sys.stderr, flush=True)
             return out
         setattr(cls, name, timed)
