@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from beside import draft_memory
-from specq.native.control.batch_plan import LONE_PLAIN, BatchPlanner, Wish
+from specq.native.control.batch_plan import DRAFT_MARGIN, LONE_PLAIN, BatchPlanner, Wish
 from specq.native.control.expected import expected_tokens
 from specq.native.control.length import LengthController
 from specq.native.control.step import StepOutcome
@@ -67,9 +67,29 @@ def test_on_a_cpu_the_length_falls_with_the_batch_to_plain():
     assert chosen[1] == k1 >= 3  # alone, drafting pays
     assert chosen[16] == 0  # sixteen sequences: every row is compute the batch pays
     assert list(chosen.values()) == sorted(chosen.values(), reverse=True) and len(set(chosen.values())) > 2
-    for b, c in chosen.items():  # each choice is the best common cap, by the costs themselves
-        assert rate([c] * b, cpu_verify) == pytest.approx(max(rate([k] * b, cpu_verify) for k in range(k1 + 1)))
+    for b, c in chosen.items():  # each choice is the best common cap, by the costs themselves, where it clears
+        best = max(range(k1 + 1), key=lambda k: rate([k] * b, cpu_verify))  # the margin over plain decoding
+        clears = rate([best] * b, cpu_verify) >= (1 + DRAFT_MARGIN) * rate([0] * b, cpu_verify)
+        assert c == (best if clears else 0)
     assert p.n_plain > 0 and p.n_capped > 0
+
+
+@pytest.mark.parametrize("gain", [0.04, 0.08, 0.15, 0.4])
+def test_a_batch_drafts_only_where_drafting_clears_the_margin_over_plain_decoding(gain):
+    """Four sequences, drafting one token each: a verify of 8 rows priced so that the step emits `gain` more
+    tokens a second than a plain step of 4 rows. A few percent is within what the step model leaves out (served
+    on a CPU, such steps lost): the batch stays plain; a clear gain drafts."""
+    ws = [Wish(1, adaptive=True, decodes=True, alphas=[0.8]) for _ in range(4)]
+    plain_ms, tokens = 80.0, 4 * expected_tokens([0.8], 1)
+    step_ms = tokens / (4 / plain_ms * (1 + gain))  # what a drafted step may cost for that gain
+
+    def verify(r: int) -> float:  # a line: V(4) = plain_ms, V(8) what the drafted step may spend verifying
+        return plain_ms + (r - 4) * (step_ms - draft(4) - plain_ms) / 4
+
+    p = planner_with(verify, draft)
+    p.probe_gap = 10**6  # (no probes: the choice itself)
+    assert p.rate(ws, 1) / p.rate(ws, 0) == pytest.approx(1 + gain, rel=0.01)
+    assert p.plan(ws) == ([1] * 4 if gain >= DRAFT_MARGIN else [0] * 4)
 
 
 def test_on_a_gpu_the_length_stays_what_each_sequence_wants():

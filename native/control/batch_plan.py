@@ -10,6 +10,8 @@ whole batch:
 
     Σᵢ Eᵢ(min(kᵢ, c)) / (Σⱼ d(mⱼ) + V(Σᵢ (min(kᵢ, c) + 1)) + overhead)
 
+— where that beats plain decoding by DRAFT_MARGIN, else 0 —
+
 where Eᵢ is sequence i's E(k) (expected.py), d(m) one draft decode of m rows, and the first draft decode reads every
 drafting sequence's catch-up (what its last step emitted) while the j-th (j ≥ 2) reads one row of each of the mⱼ
 sequences drafting a j-th token. After a plain stretch the first draft decode reads every token since, for every
@@ -34,6 +36,12 @@ from .costs import TargetCosts, running_mean
 from .expected import expected_tokens
 
 SWITCH_STEPS = 16  # the steps over which a switch from plain decoding to drafting must pay its catch-ups back
+# A batch drafts only where drafting promises at least this much more than plain decoding, tokens per second. On a
+# CPU a batch's drafting is often a few percent either way, thinner than what the step model leaves out (the
+# drafts' reads of joining prompts, the host's speed drifting between measurements): served on the deep pair at
+# N = 4 (EPYC, docs/benchmarks.md), steps it predicted 2-7% faster made the load a tenth slower than plain
+# decoding. Where a batch's rows are cheap (a GPU) drafting gains far more than this.
+DRAFT_MARGIN = 0.10
 LONE_PLAIN = 32  # steps run by one sequence alone after which the batch's plain verdict no longer holds (settled_plain)
 
 
@@ -171,13 +179,16 @@ class BatchPlanner:
             return [w.k for w in wishes]
         self.n_steps += 1
         self.lone_steps = 0
-        best_c, best = 0, self.rate(wishes, 0)
+        plain = best = self.rate(wishes, 0)
+        best_c = 0
         for c in range(1, top + 1):  # (the rate rises to its peak and falls: stop two lengths past it)
             r = self.rate(wishes, c)
             if r >= best:
                 best_c, best = c, r
             elif c >= best_c + 2:
                 break
+        if best < plain * (1 + DRAFT_MARGIN):
+            best_c = 0
         self.last_c = best_c
         self.plain_share = running_mean(self.plain_share, float(best_c == 0), self.ema)
         ks = self.capped(wishes, best_c)
