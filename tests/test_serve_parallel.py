@@ -167,16 +167,20 @@ def test_faults_round_after_round_leave_the_others_exact_and_memory_flat(server)
     assert rss[-1] < 1.1 * rss[1], rss  # after a first round that warms every path up
 
 
-def test_a_long_prompt_joins_in_chunks_and_every_answer_stays_exact(server):
+def join_long_prompt(server, extra: dict) -> Answer:
+    """A long prompt (no cached prefix) joining three running answers, until its prompt was evaluated in chunks
+    (a round whose others all ended before it came saw it evaluated whole); every answer as it is alone. The long
+    prompt's answer in the round that chunked it."""
     c = client(server.url)
     long_prompt = " ".join(PROMPTS * 3)
-    fresh = {"extra_body": {"cache_prompt": False}}  # no cached prefix: the whole prompt is evaluated
+    fresh = {"extra_body": {"cache_prompt": False, **extra}}  # no cached prefix: the whole prompt is evaluated
     want_long = stream_text(c, long_prompt, 30, **fresh)
-    want = [stream_text(c, p, 150) for p in PROMPTS[:3]]  # long enough to be running when the long prompt comes
+    want = [stream_text(c, p, 150, extra_body=extra) for p in PROMPTS[:3]]  # running when the long prompt comes
     chunks0 = server.metrics()["specq:prefill_chunks_total"]
-    for _ in range(4):  # a round whose others all ended before the long prompt came saw it evaluated whole: again
+    for _ in range(4):
         with ThreadPoolExecutor(4) as pool:
-            others = [pool.submit(lambda i=i: stream_text(client(server.url), PROMPTS[i], 150)) for i in range(3)]
+            others = [pool.submit(lambda i=i: stream_text(client(server.url), PROMPTS[i], 150, extra_body=extra))
+                      for i in range(3)]
             for _ in range(200):  # the long prompt joins running generations (alone it is evaluated whole)
                 if server.metrics()["specq:slots_busy"] >= 1:
                     break
@@ -185,8 +189,22 @@ def test_a_long_prompt_joins_in_chunks_and_every_answer_stays_exact(server):
             assert all(as_alone(f.result(), w) for f, w in zip(others, want))
             assert as_alone(joined.result(), want_long)
         if server.metrics()["specq:prefill_chunks_total"] > chunks0:
-            break
-    assert server.metrics()["specq:prefill_chunks_total"] > chunks0
+            return joined.result()
+    raise AssertionError("the long prompt was never evaluated in chunks")
+
+
+def test_a_long_prompt_joins_in_chunks_and_every_answer_stays_exact(server):
+    got = join_long_prompt(server, {})
+    assert got.spec["n_drafted"] > 0  # its draft read the chunks later (the draft model: the tokens it missed)
+
+
+def test_a_prompt_that_will_not_draft_joins_in_chunks_without_the_draft_reading_them(server):
+    """Every answer with draft_max 0: the draft model never decodes, also not the joining prompt's chunks (it
+    reads a prompt only where it drafts; reading the chunks cost more than the target's evaluation of them)."""
+    key = 'specq:decodes{model="draft"}'
+    before = server.metrics()[key]
+    join_long_prompt(server, {"draft_max": 0})
+    assert server.metrics()[key] == before
 
 
 def test_max_queue_counts_the_requests_waiting_for_a_free_sequence(tiny_target):

@@ -173,13 +173,18 @@ class Scheduler:
             self._start(starting)
 
     def _prefill_chunk(self, run: Running) -> bool:
-        """One chunk of a joining prompt; whether its rest fits, so that it starts its generation now."""
+        """One chunk of a joining prompt, on the target only; whether its rest fits, so that it starts its
+        generation now. The draft reads the chunks later with the rest (the generation's prompt read, after its
+        first token) or when it first drafts, and not at all for a request that does not draft: read here it cost
+        more than the target's own evaluation of the chunk (a Q4_1 draft's prompt pass beside an F32 target's,
+        docs/benchmarks.md) and sat on the path to the request's first token."""
         ses = run.session
         cut = PREFILL_CHUNK + (0 if ses.history else run.n_reused)
         if len(run.todo) <= cut:
             return True
         try:
-            ses.prefill(run.todo[:cut])
+            ses.prefill_target(run.todo[:cut])
+            ses.drop_reader_prefill()
         except Exception as e:  # noqa: BLE001 - the request fails, the server goes on
             self._fail([run], e)
             return False
