@@ -5,7 +5,12 @@ prefill, prompt read (the draft's side of a prefill), batch admission and step o
 server (its Generation and Batch methods wrapped in this script's child mode). Says what the first wave's first
 tokens wait for (docs/benchmarks.md, "The first wave's first tokens").
 
-    python benchmarks/serve_first_wave.py [--pair demo|deep] [--parallel 4] [--loads 2] [--json F]
+    python benchmarks/serve_first_wave.py [--pair demo|deep] [--parallel 4] [--loads 2] [--context-tokens T]
+        [--plain] [--json F]
+
+`--context-tokens T`: each client's prompts carry a document of about T tokens (serve_vs_llamaserver.with_documents);
+`--plain`: every request asks for the target alone (draft_max 0). The target's and the draft's sides of each
+prefill (Session.prefill_target, prefill_reader) are timed too.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-TIMED = {"Generation": ("_prefill", "_read_prompt"), "Batch": ("add_all", "step", "delivered")}
+TIMED = {"Generation": ("_prefill", "_read_prompt"), "Batch": ("add_all", "step", "delivered"),
+         "Session": ("prefill_target", "prefill_reader")}
 LINE = re.compile(r"^TIMELINE (\{.*\})$", re.M)
 
 
 def child() -> None:
     """specq's CLI with the engine's methods timed: one TIMELINE line per call over 5 ms, on stderr."""
-    from specq.native.runtime import batch, generation
+    from specq.native.runtime import batch, generation, session
 
     t0 = time.perf_counter()
 
@@ -40,6 +46,8 @@ def child() -> None:
             ms = 1e3 * (time.perf_counter() - start)
             if ms > 5:
                 ev = {"at_s": round(start - t0, 4), "what": f"{cls.__name__}.{name}", "ms": round(ms, 1)}
+                if cls is session.Session:
+                    ev |= {"seq": self.seq, "tokens": len(args[0]) if args else 0, "history": len(self.history)}
                 if cls is generation.Generation:
                     ev |= {"seq": self.session.seq, "prepared": self.prepared}
                 elif name == "step":
@@ -52,7 +60,7 @@ def child() -> None:
             return out
         setattr(cls, name, timed)
 
-    for cls in (generation.Generation, batch.Batch):
+    for cls in (generation.Generation, batch.Batch, session.Session):
         for name in TIMED[cls.__name__]:
             wrap(cls, name)
     from specq.cli.main import main
@@ -72,10 +80,15 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--loads", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context-tokens", type=int, default=0, help="a document of about this many tokens a client")
+    ap.add_argument("--plain", action="store_true", help="every request with draft_max 0")
     ap.add_argument("--json")
     a = ap.parse_args()
     target, draft = svl.pair(a.pair)
     prompts = load_prompts()
+    if a.context_tokens:
+        prompts = svl.with_documents(prompts, a.context_tokens, a.parallel, 2)
+    extra = {"draft_max": 0} if a.plain else {}
     argv = [sys.executable, __file__, "--child", *svl.specq_defaults(a.parallel, target, draft, a.threads)[1:]]
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,7 +96,7 @@ def main() -> None:
         srv = Server(argv, log, None)
         try:
             model = model_of(srv)
-            run_load(srv.url, model, prompts, 1, 1, 16)
+            run_load(srv.url, model, load_prompts(), 1, 1, 16)
             for n in range(a.loads):
                 mark, requests, t_load = log.stat().st_size, [], time.perf_counter()
 
@@ -92,7 +105,7 @@ def main() -> None:
                     for r in range(2):
                         t0, first = time.perf_counter(), None
                         stream = cl.chat.completions.create(
-                            model=model, max_tokens=96, temperature=0, stream=True,
+                            model=model, max_tokens=96, temperature=0, stream=True, extra_body=extra,
                             messages=[{"role": "user", "content": prompts[(c * 2 + r) % len(prompts)]}])
                         for chunk in stream:
                             if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -112,7 +125,7 @@ def main() -> None:
                               "timeline": timeline})
                 print(f"load {n}: TTFT " + ", ".join(f"{r['ttft_s']:.2f}" for r in loads[-1]["requests"])
                       + "; " + "; ".join(f"{e['what']} {e['ms']:.0f} ms" + (f" (seq {e['seq']}, prepared "
-                                          f"{e['prepared']})" if "seq" in e else "")
+                                          f"{e['prepared']})" if "prepared" in e else "")
                                           for e in timeline[:8]), file=sys.stderr, flush=True)
         finally:
             srv.stop()

@@ -153,7 +153,7 @@ def one_request(client, model: str, prompt: str | list[dict], max_tokens: int, e
     t1 = time.perf_counter()
     n = usage.completion_tokens if usage else (max_tokens if finish == "length" else chunks)
     return {"ttft_s": (first or t1) - t0, "latency_s": t1 - t0, "tokens": n, "usage_reported": usage is not None,
-            "finish_reason": finish, "text": "".join(text)}
+            "finish_reason": finish, "text": "".join(text), "prompt_tokens": usage.prompt_tokens if usage else None}
 
 
 def run_load(url: str, model: str, prompts: list, n_clients: int, n_requests: int, max_tokens: int,
@@ -194,6 +194,8 @@ def run_load(url: str, model: str, prompts: list, n_clients: int, n_requests: in
         "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95), "ttft_p99_s": pct(ttft, 99),
         "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
         "usage_reported": all(r["usage_reported"] for r in rows),
+        "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in rows) if rows and all(
+            r["prompt_tokens"] is not None for r in rows) else None,
         "finish_reasons": {f: sum(r["finish_reason"] == f for r in rows) for f in {r["finish_reason"] for r in rows}},
     }
 

@@ -13,10 +13,12 @@ every N; each load's target decodes per generated token from the servers' /metri
 specq:decodes, llama-server's n_decode_total with --metrics); and with --count-passes the passes over the
 weights themselves, counted from llama.cpp's batch debug log in one more, untimed load (count_passes); and where
 each server's CPU time went over a load (serve_load.cpu_split: its compute threads, the rest of it, the clients).
+With --context-tokens T every client's requests carry a document of about T tokens ahead of the question
+(with_documents), so the load decodes at that depth.
 
     python benchmarks/serve_vs_llamaserver.py --llama-server PATH/llama-server [--pair demo|deep] \
         [--clients 1,4,8] [--requests 2] [--max-tokens 96] [--rounds 1] [--cpu-amx] [--spec-args=-nr] \
-        [--count-passes] [--json benchmarks/results/serve_vs_llamaserver-X.json]
+        [--count-passes] [--context-tokens 0] [--ctx 2048] [--json benchmarks/results/serve_vs_llamaserver-X.json]
 """
 
 from __future__ import annotations
@@ -37,23 +39,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from deep_pair import pair  # noqa: E402
+from long_context import real_text  # noqa: E402
 from serve_load import (Server, chosen_kinds, cpu_split, free_port, load_prompts, model_of,  # noqa: E402
                         run_load, thread_cpu)
 from specq.machine import cpu_name  # noqa: E402
 
-CTX = 2048  # one sequence's context (specq --ctx; llama-server -c N·CTX)
+CTX = 2048  # one sequence's context (specq --ctx; llama-server -c N·CTX), unless --ctx
+CHARS_A_TOKEN = 4  # about, in English prose with SmolLM2's tokenizer (each load reports its prompts' real tokens)
 KINDS = ("specq", "specq plain", "llama-server plain", "llama-server spec", "specq plain fa-off")
 
 
 def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str]:
     if kind.startswith("specq"):
         return [str(Path(sys.executable).parent / "specq"), "serve", "--target", str(target), "--draft", str(draft),
-                "--host", "127.0.0.1", "--port", "0", "--threads", str(a.threads), "--ctx", str(CTX),
+                "--host", "127.0.0.1", "--port", "0", "--threads", str(a.threads), "--ctx", str(a.ctx),
                 "--parallel", str(n), "--draft-max", a.draft_max, "--max-queue", "64",
                 "--max-tokens", str(a.max_tokens)] + (["--cpu-amx"] if a.cpu_amx else []) + a.specq_args.split() \
             + (["--flash-attn", "off"] if kind.endswith("fa-off") else [])
     cmd = [a.llama_server, "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "-np", str(n),
-           "-c", str(n * CTX), "-t", str(a.threads), "-tb", str(a.threads), "--no-webui", "-ngl", "0", "--metrics"]
+           "-c", str(n * a.ctx), "-t", str(a.threads), "-tb", str(a.threads), "--no-webui", "-ngl", "0", "--metrics"]
     if kind == "llama-server spec":
         cmd += ["--spec-type", "draft-simple", "--spec-draft-model", str(draft), "--spec-draft-n-max", "8",
                 "-ngld", "0"] + a.spec_args.split()
@@ -62,8 +66,23 @@ def argv(kind: str, n: int, target: Path, draft: Path, a, port: int) -> list[str
 
 def specq_defaults(n: int, target: Path, draft: Path, threads: int = 2) -> list[str]:
     """specq serve's command line as this benchmark starts it, with the defaults (draft-max auto, 96 tokens)."""
-    opts = types.SimpleNamespace(threads=threads, draft_max="auto", max_tokens=96, cpu_amx=False, specq_args="")
+    opts = types.SimpleNamespace(threads=threads, draft_max="auto", max_tokens=96, cpu_amx=False, specq_args="",
+                                 ctx=CTX)
     return argv("specq", n, target, draft, opts, None)
+
+
+def with_documents(prompts: list[str], tokens: int, clients: int, requests: int) -> list[str]:
+    """--context-tokens: the load's prompts (client c's r-th request is prompt c·R + r, serve_load.run_load), each
+    client's carrying one document of about `tokens` tokens ahead of its questions, as an editor's open file or a
+    chat about a paper does: evaluated at a client's first request, reused by its next, and every step decodes
+    that deep. The documents are stretches of real English text (long_context.real_text) starting at different
+    places, so that no client's prompt continues another's."""
+    text, n = real_text(), tokens * CHARS_A_TOKEN
+    step = (len(text) - n) // max(clients - 1, 1)
+    if step < 256:
+        raise SystemExit(f"--context-tokens {tokens}: the text is too short for {clients} different documents")
+    return [f"Read this document, then answer the question after it.\n\n{text[c * step:c * step + n]}\n\n"
+            f"Question: {prompts[i % len(prompts)]}" for i in range(clients * requests) for c in [i // requests]]
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -111,7 +130,7 @@ def served_load(kind: str, n: int, target: Path, draft: Path, prompts: list[str]
     srv = Server(cmd, log, port, env={"LLAMA_BATCH_DEBUG": "1"} if debug else None)
     try:
         model = model_of(srv)
-        run_load(srv.url, model, prompts, 1, 1, 16)
+        run_load(srv.url, model, a.warm or prompts, 1, 1, 16)
         extra = {"draft_max": 0} if kind.startswith("specq plain") else {}  # the target alone, batched
         before, start = metrics(srv.url), log.stat().st_size
         cpu0, self0 = thread_cpu(srv.proc.pid), os.times()
@@ -185,10 +204,16 @@ def main() -> None:
     ap.add_argument("--specq-args", default="", help="more specq serve arguments (e.g. --flash-attn on)")
     ap.add_argument("--count-passes", action="store_true",
                     help="after the timed rounds, one untimed load per server and N counting llama.cpp's ubatches")
+    ap.add_argument("--context-tokens", type=int, default=0,
+                    help="a document of about this many tokens ahead of each client's questions (with_documents)")
+    ap.add_argument("--ctx", type=int, default=CTX, help="one sequence's context")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     target, draft = pair(a.pair)
-    prompts = load_prompts()
+    prompts, a.warm = load_prompts(), None
+    if a.context_tokens:  # (the warm-up's prompt then shares no document with the load's)
+        clients = max(int(x) for x in a.clients.split(","))
+        prompts, a.warm = with_documents(prompts, a.context_tokens, clients, a.requests), prompts
     kinds = chosen_kinds(ap, a.kinds, KINDS)
     load0 = os.getloadavg()
     rows, texts, counted = [], {}, []
@@ -217,8 +242,9 @@ def main() -> None:
         print(f"N={n}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios[n].items() if isinstance(v, float)),
               file=sys.stderr, flush=True)
     same = {"prompts": len(texts), "identical": sum(len(v) == 1 for v in texts.values())}
-    doc = {"pair": a.pair, "target": target.name, "draft": draft.name, "ctx_per_sequence": CTX,
-           "settings": {k: (Path(v).name if k == "llama_server" else v) for k, v in vars(a).items() if k != "json"}, "machine": platform.machine(),
+    doc = {"pair": a.pair, "target": target.name, "draft": draft.name, "ctx_per_sequence": a.ctx,
+           "settings": {k: (Path(v).name if k == "llama_server" else v) for k, v in vars(a).items()
+                        if k not in ("json", "warm")}, "machine": platform.machine(),
            "cpus": os.cpu_count(), "load_before": load0, "load_after": os.getloadavg(), "rows": rows,
            "ratios": ratios, "answers": same, "passes_counted": counted, "cpu": cpu_name()}
     if a.json:
