@@ -130,7 +130,7 @@ def served_load(kind: str, n: int, target: Path, draft: Path, prompts: list[str]
     srv = Server(cmd, log, port, env={"LLAMA_BATCH_DEBUG": "1"} if debug else None)
     try:
         model = model_of(srv)
-        run_load(srv.url, model, a.warm or prompts, 1, 1, 16)
+        run_load(srv.url, model, load_prompts(), 1, 1, 16)  # (with documents, the warm-up shares none of them)
         extra = {"draft_max": 0} if kind.startswith("specq plain") else {}  # the target alone, batched
         before, start = metrics(srv.url), log.stat().st_size
         cpu0, self0 = thread_cpu(srv.proc.pid), os.times()
@@ -210,10 +210,10 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     target, draft = pair(a.pair)
-    prompts, a.warm = load_prompts(), None
-    if a.context_tokens:  # (the warm-up's prompt then shares no document with the load's)
+    prompts = load_prompts()
+    if a.context_tokens:
         clients = max(int(x) for x in a.clients.split(","))
-        prompts, a.warm = with_documents(prompts, a.context_tokens, clients, a.requests), prompts
+        prompts = with_documents(prompts, a.context_tokens, clients, a.requests)
     kinds = chosen_kinds(ap, a.kinds, KINDS)
     load0 = os.getloadavg()
     rows, texts, counted = [], {}, []
@@ -244,7 +244,7 @@ def main() -> None:
     same = {"prompts": len(texts), "identical": sum(len(v) == 1 for v in texts.values())}
     doc = {"pair": a.pair, "target": target.name, "draft": draft.name, "ctx_per_sequence": a.ctx,
            "settings": {k: (Path(v).name if k == "llama_server" else v) for k, v in vars(a).items()
-                        if k not in ("json", "warm")}, "machine": platform.machine(),
+                        if k != "json"}, "machine": platform.machine(),
            "cpus": os.cpu_count(), "load_before": load0, "load_after": os.getloadavg(), "rows": rows,
            "ratios": ratios, "answers": same, "passes_counted": counted, "cpu": cpu_name()}
     if a.json:
